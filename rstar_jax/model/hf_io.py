@@ -1,0 +1,377 @@
+"""Hugging Face Qwen3 directories <-> our parameters.
+
+Reading: config.json (transformers-4 spelling `rope_theta`/`torch_dtype`, or
+transformers-5 `rope_parameters`/`dtype`) and `model.safetensors` or a sharded
+`model.safetensors.index.json`. Every tensor is checked for presence and shape
+before anything is loaded. With a mesh, each parameter is built with
+`jax.make_array_from_callback`: a device's callback reads only the slice of the
+safetensors file that lands on that device, so the full model never sits on one
+host (safetensors slices are memory-mapped reads).
+
+Writing: a directory that transformers' `Qwen3ForCausalLM.from_pretrained` (and so
+SGLang) loads: config.json with both spellings, safetensors shards plus index.
+HF Linear weights are [out, in]; ours are [in, out] with heads split out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rstar_jax.model import sharding
+from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.qwen3 import Qwen3, abstract_model
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+  """A HF directory that cannot be read as a Qwen3 checkpoint."""
+
+
+# ---- config.json -----------------------------------------------------------
+def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
+                        **overrides: Any) -> Qwen3Config:
+  missing = [k for k in _REQUIRED if k not in d]
+  if missing:
+    raise CheckpointError(f"{where}: missing required field(s) {missing}")
+  model_type = d.get("model_type", "qwen3")
+  if model_type != "qwen3":
+    raise CheckpointError(f"{where}: model_type is {model_type!r}, expected 'qwen3'")
+  if d.get("attention_bias", False):
+    raise CheckpointError(f"{where}: attention_bias=true is not Qwen3 (no biases supported)")
+  if d.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"{where}: hidden_act={d['hidden_act']!r}; only 'silu' is supported")
+  if d.get("use_sliding_window", False):
+    raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
+  rope = d.get("rope_parameters") or {}
+  if isinstance(rope, dict) and "rope_theta" in rope:
+    theta = rope["rope_theta"]
+  elif "rope_theta" in d:
+    theta = d["rope_theta"]
+  else:
+    theta = 10_000.0  # transformers' default when neither spelling is present
+  scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                      else None)
+  if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    raise CheckpointError(f"{where}: rope scaling {scaling} is not supported")
+  heads = d["num_attention_heads"]
+  fields = dict(
+      vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+      intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+      num_attention_heads=heads,
+      num_key_value_heads=d.get("num_key_value_heads") or heads,
+      head_dim=d.get("head_dim") or 128,  # HF Qwen3Config default
+      rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+      max_position_embeddings=d.get("max_position_embeddings", 32_768),
+      initializer_range=float(d.get("initializer_range", 0.02)),
+  )
+  fields.update(overrides)
+  try:
+    return Qwen3Config(**fields)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{where}: {e}") from e
+
+
+def load_config(hf_dir: str, **overrides: Any) -> Qwen3Config:
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{hf_dir}: no config.json")
+  with open(path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+  return config_from_hf_dict(d, where=path, **overrides)
+
+
+def config_to_hf_dict(cfg: Qwen3Config, dtype: str) -> dict[str, Any]:
+  # Both spellings, so transformers 4.x (SGLang pins) and 5.x read it.
+  return {
+      "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+      "num_attention_heads": cfg.num_attention_heads,
+      "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+      "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "initializer_range": cfg.initializer_range, "rms_norm_eps": cfg.rms_norm_eps,
+      "tie_word_embeddings": cfg.tie_word_embeddings, "use_cache": True,
+      "use_sliding_window": False, "sliding_window": None,
+      "max_window_layers": cfg.num_hidden_layers,
+      "rope_theta": cfg.rope_theta, "rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+      "torch_dtype": dtype, "dtype": dtype,
+  }
+
+
+# ---- Parameter table ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  hf: str        # HF tensor name; "{i}" is the layer index for stacked params
+  kind: str      # id | T | T_split_out (q/k/v) | T_split_in (o_proj)
+  layered: bool
+
+
+_TABLE: dict[str, _Spec] = {
+    "embed_tokens": _Spec("model.embed_tokens.weight", "id", False),
+    "norm": _Spec("model.norm.weight", "id", False),
+    "lm_head": _Spec("lm_head.weight", "T", False),
+    "layers.input_layernorm": _Spec("model.layers.{i}.input_layernorm.weight", "id", True),
+    "layers.post_attention_layernorm": _Spec(
+        "model.layers.{i}.post_attention_layernorm.weight", "id", True),
+    "layers.q_proj": _Spec("model.layers.{i}.self_attn.q_proj.weight", "T_split_out", True),
+    "layers.k_proj": _Spec("model.layers.{i}.self_attn.k_proj.weight", "T_split_out", True),
+    "layers.v_proj": _Spec("model.layers.{i}.self_attn.v_proj.weight", "T_split_out", True),
+    "layers.o_proj": _Spec("model.layers.{i}.self_attn.o_proj.weight", "T_split_in", True),
+    "layers.q_norm": _Spec("model.layers.{i}.self_attn.q_norm.weight", "id", True),
+    "layers.k_norm": _Spec("model.layers.{i}.self_attn.k_norm.weight", "id", True),
+    "layers.gate_proj": _Spec("model.layers.{i}.mlp.gate_proj.weight", "T", True),
+    "layers.up_proj": _Spec("model.layers.{i}.mlp.up_proj.weight", "T", True),
+    "layers.down_proj": _Spec("model.layers.{i}.mlp.down_proj.weight", "T", True),
+}
+
+
+def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
+  if kind == "id":
+    return ours
+  if kind == "T":
+    return ours[::-1]
+  if kind == "T_split_out":  # ours [H, N, D] <- hf [N*D, H]
+    return (ours[1] * ours[2], ours[0])
+  if kind == "T_split_in":   # ours [N, D, H] <- hf [H, N*D]
+    return (ours[2], ours[0] * ours[1])
+  raise AssertionError(kind)
+
+
+def _read_block(sl, kind: str, ours_shape: tuple[int, ...], idx: tuple[slice, ...]):
+  """Reads the block `idx` of our layout from a safetensors slice `sl` (HF layout)."""
+  idx = tuple(slice(*s.indices(n)) for s, n in zip(idx, ours_shape))
+  if kind == "id":
+    return sl[idx]
+  if kind == "T":
+    return sl[idx[::-1]].T
+  if kind == "T_split_out":
+    hs, ns, ds = idx
+    d = ours_shape[2]
+    rows = sl[ns.start * d: ns.stop * d, hs]           # [n*D, h]
+    block = rows.T.reshape(rows.shape[1], ns.stop - ns.start, d)
+    return block[:, :, ds]
+  if kind == "T_split_in":
+    ns, ds, hs = idx
+    d = ours_shape[1]
+    cols = sl[hs, ns.start * d: ns.stop * d]           # [h, n*D]
+    block = cols.T.reshape(ns.stop - ns.start, d, cols.shape[0])
+    return block[:, ds, :]
+  raise AssertionError(kind)
+
+
+def _to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
+  if kind == "id":
+    return ours
+  if kind == "T":
+    return np.ascontiguousarray(ours.T)
+  if kind == "T_split_out":
+    h, n, d = ours.shape
+    return np.ascontiguousarray(ours.reshape(h, n * d).T)
+  if kind == "T_split_in":
+    n, d, h = ours.shape
+    return np.ascontiguousarray(ours.reshape(n * d, h).T)
+  raise AssertionError(kind)
+
+
+def _state_key(path) -> str:
+  return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+# ---- Reading -------------------------------------------------------------------
+class _TensorIndex:
+  """Name -> file for a single or sharded safetensors checkpoint; lazy handles."""
+
+  def __init__(self, hf_dir: str):
+    self.dir = hf_dir
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.exists(index):
+      with open(index) as f:
+        try:
+          self.weight_map = dict(json.load(f)["weight_map"])
+        except (json.JSONDecodeError, KeyError) as e:
+          raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+      for fname in sorted(set(self.weight_map.values())):
+        if not os.path.exists(os.path.join(hf_dir, fname)):
+          raise CheckpointError(f"{index}: shard {fname} listed but missing from {hf_dir}")
+    elif os.path.exists(single):
+      with safe_open(single, framework="np") as f:
+        self.weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+      raise CheckpointError(
+          f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
+    self._handles: dict[str, Any] = {}
+
+  def slice(self, name: str):
+    fname = self.weight_map[name]
+    if fname not in self._handles:
+      self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="np")
+    return self._handles[fname].get_slice(name)
+
+
+def _expected(cfg: Qwen3Config, abs_state) -> dict[str, tuple[_Spec, tuple[int, ...]]]:
+  out = {}
+  for path, var in nnx.to_flat_state(abs_state):
+    key = _state_key(path)
+    if key not in _TABLE:
+      raise AssertionError(f"parameter {key} has no HF mapping")
+    out[key] = (_TABLE[key], tuple(var.get_value().shape))
+  return out
+
+
+def check_checkpoint(hf_dir: str, cfg: Qwen3Config | None = None) -> Qwen3Config:
+  """Verifies every tensor exists with the right shape; raises naming the first bad one."""
+  cfg = cfg or load_config(hf_dir)
+  tensors = _TensorIndex(hf_dir)
+  abs_state = nnx.state(abstract_model(cfg))
+  problems = []
+  for key, (spec, shape) in _expected(cfg, abs_state).items():
+    per_layer = shape[1:] if spec.layered else shape
+    want = _hf_shape(spec.kind, per_layer)
+    layers = range(cfg.num_hidden_layers) if spec.layered else [None]
+    for i in layers:
+      name = spec.hf.format(i=i)
+      if name not in tensors.weight_map:
+        problems.append(f"missing tensor {name}")
+        continue
+      got = tuple(tensors.slice(name).get_shape())
+      if got != want:
+        problems.append(f"tensor {name} has shape {list(got)}, expected {list(want)} "
+                        f"(from config.json)")
+  if problems:
+    more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+    raise CheckpointError(f"{hf_dir}: " + "; ".join(problems[:5]) + more)
+  return cfg
+
+
+def load_hf(hf_dir: str, mesh: jax.sharding.Mesh | None = None,
+            rules=sharding.DEFAULT_RULES, **config_overrides: Any) -> Qwen3:
+  """Loads a HF Qwen3 directory into a `Qwen3`, placed on `mesh` when given.
+
+  `config_overrides` set run-time fields (param_dtype, dtype, remat_policy, ...).
+  """
+  cfg = load_config(hf_dir, **config_overrides)
+  check_checkpoint(hf_dir, cfg)
+  tensors = _TensorIndex(hf_dir)
+  graphdef, abs_state = nnx.split(abstract_model(cfg))
+  np_dtype = _NP_DTYPES[cfg.param_dtype]
+  expected = _expected(cfg, abs_state)
+  shardings = None if mesh is None else sharding.state_shardings(abs_state, mesh, rules)
+
+  def build(path, var):
+    key = _state_key(path)
+    spec, shape = expected[key]
+
+    def block(idx: tuple[slice, ...]) -> np.ndarray:
+      if not spec.layered:
+        return _read_block(tensors.slice(spec.hf), spec.kind, shape, idx).astype(np_dtype)
+      layer_sl, rest = idx[0], idx[1:]
+      parts = [_read_block(tensors.slice(spec.hf.format(i=i)), spec.kind, shape[1:], rest)
+               for i in range(*layer_sl.indices(shape[0]))]
+      return np.stack(parts).astype(np_dtype)
+
+    if shardings is None:
+      value = jnp.asarray(block(tuple(slice(None) for _ in shape)))
+    else:
+      target = _lookup(shardings, path).get_value()
+      value = jax.make_array_from_callback(shape, target, lambda idx: block(idx))
+    return var.replace(value)
+
+  state = jax.tree_util.tree_map_with_path(
+      build, abs_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)
+
+
+def _lookup(tree, path):
+  for p in path:
+    tree = tree[getattr(p, "key", p)]
+  return tree
+
+
+# ---- Writing -------------------------------------------------------------------
+def hf_tensors(model: Qwen3, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+  """Our parameters as HF-named host numpy arrays (gathers sharded arrays)."""
+  cfg = model.cfg
+  np_dtype = _NP_DTYPES[dtype]
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    key = _state_key(path)
+    spec = _TABLE[key]
+    value = np.asarray(jax.device_get(var.get_value())).astype(np.float32)
+    if spec.layered:
+      for i in range(cfg.num_hidden_layers):
+        out[spec.hf.format(i=i)] = _to_hf(spec.kind, value[i]).astype(np_dtype)
+    else:
+      out[spec.hf] = _to_hf(spec.kind, value).astype(np_dtype)
+  return out
+
+
+def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
+            max_shard_bytes: int = 5 * 1024 ** 3, tokenizer_dir: str | None = None) -> None:
+  """Writes a HF Qwen3 directory (config.json + safetensors [+ index]).
+
+  Files are written under temporary names and renamed last, so a crash never
+  leaves a directory that looks complete but is not.
+  """
+  if dtype not in _NP_DTYPES:
+    raise ValueError(f"save_hf: dtype {dtype!r}; choose from {sorted(_NP_DTYPES)}")
+  os.makedirs(out_dir, exist_ok=True)
+  tensors = hf_tensors(model, dtype)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, arr in tensors.items():
+    if shards[-1] and size + arr.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = arr
+    size += arr.nbytes
+  written = []
+  if len(shards) == 1:
+    names = ["model.safetensors"]
+  else:
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+  weight_map = {}
+  for fname, shard in zip(names, shards):
+    tmp = os.path.join(out_dir, fname + ".tmp")
+    save_file(shard, tmp, metadata={"format": "pt"})
+    written.append((tmp, os.path.join(out_dir, fname)))
+    weight_map.update({k: fname for k in shard})
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": weight_map}
+    tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
+    with open(tmp, "w") as f:
+      json.dump(index, f, indent=2)
+    written.append((tmp, tmp[:-4]))
+  tmp = os.path.join(out_dir, "config.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(config_to_hf_dict(model.cfg, dtype), f, indent=2)
+  written.append((tmp, tmp[:-4]))
+  for tmp, final in written:
+    os.replace(tmp, final)
+  if tokenizer_dir:
+    import shutil
+    for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "vocab.json", "merges.txt", "generation_config.json"):
+      src = os.path.join(tokenizer_dir, fname)
+      if os.path.exists(src):
+        shutil.copy(src, os.path.join(out_dir, fname))

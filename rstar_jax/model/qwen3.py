@@ -1,0 +1,323 @@
+"""Qwen3 decoder in Flax NNX, numerically the same function as HF `Qwen3ForCausalLM`.
+
+Layout choices:
+* Layer weights are stored stacked, with a leading "layers" axis, and applied with
+  `jax.lax.scan` over the split layer state: compile time does not grow with depth,
+  and rematerialisation is one `jax.checkpoint` with a policy around the scan body.
+* Projection kernels are stored [in, heads, head_dim] / [heads, head_dim, out]
+  (HF stores Linear weights [out, in]); `hf_io` converts.
+* One attention path serves training (packed segments, padding), prefill and decode:
+  with a KV cache, each token's k/v are scattered to cache slot = its position, and
+  a query attends to cache slots <= its position. Slots past a sequence's current
+  length may hold stale values; they are never attended, so slots need no clearing
+  between requests.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from rstar_jax.model import sharding
+from rstar_jax.model.config import Qwen3Config
+
+Cache = dict[str, jax.Array]  # {"k": [L, B, S, Nkv, D], "v": [L, B, S, Nkv, D]}
+_NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN.
+
+
+def _param(rngs: nnx.Rngs, shape, axes, cfg: Qwen3Config, init: str = "normal"):
+  dtype = jnp.dtype(cfg.param_dtype)
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (cfg.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
+             ).astype(dtype)
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  # As HF: normalise in fp32, cast back to the input dtype, then scale.
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return xf.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in HF's rotate-half layout. x [B, T, N, D], positions [B, T]."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _attend(q, k, v, mask):
+  """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D], mask [B,T,S] bool."""
+  b, t, nq, d = q.shape
+  nkv = k.shape[2]
+  q = q.reshape(b, t, nkv, nq // nkv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (d ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, nq, d)
+
+
+def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024):
+  """Dispatches to full or query-chunked attention (same result, less memory).
+
+  "chunked" materialises scores for `chunk` queries at a time and recomputes them
+  in the backward pass, so a 12K-token sequence never holds [T, T] scores per head.
+  """
+  t = q.shape[1]
+  if impl == "xla" or t <= chunk:
+    return _attend(q, k, v, mask)
+  pad = (-t) % chunk
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  mp = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+  n = qp.shape[1] // chunk
+  qc = qp.reshape(q.shape[0], n, chunk, *q.shape[2:]).swapaxes(0, 1)
+  mc = mp.reshape(mask.shape[0], n, chunk, mask.shape[2]).swapaxes(0, 1)
+  step = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1]))
+  out = jax.lax.map(step, (qc, mc))  # [n, B, chunk, Nq, D]
+  out = out.swapaxes(0, 1).reshape(q.shape[0], n * chunk, *q.shape[2:])
+  return out[:, :t]
+
+
+class DecoderLayer(nnx.Module):
+  """One Qwen3 block; built with a leading axis of `num_stacked` layers."""
+
+  def __init__(self, cfg: Qwen3Config, num_stacked: int, *, rngs: nnx.Rngs):
+    L, h, i = (num_stacked,), cfg.hidden_size, cfg.intermediate_size
+    nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    la = ("layers",)
+    self.input_layernorm = _param(rngs, L + (h,), la + ("norm",), cfg, "ones")
+    self.q_proj = _param(rngs, L + (h, nq, d), la + ("embed", "q_heads", "head_dim"), cfg)
+    self.k_proj = _param(rngs, L + (h, nkv, d), la + ("embed", "kv_heads", "head_dim"), cfg)
+    self.v_proj = _param(rngs, L + (h, nkv, d), la + ("embed", "kv_heads", "head_dim"), cfg)
+    self.o_proj = _param(rngs, L + (nq, d, h), la + ("q_heads", "head_dim", "embed"), cfg)
+    self.q_norm = _param(rngs, L + (d,), la + ("norm",), cfg, "ones")
+    self.k_norm = _param(rngs, L + (d,), la + ("norm",), cfg, "ones")
+    self.post_attention_layernorm = _param(rngs, L + (h,), la + ("norm",), cfg, "ones")
+    self.gate_proj = _param(rngs, L + (h, i), la + ("embed", "mlp"), cfg)
+    self.up_proj = _param(rngs, L + (h, i), la + ("embed", "mlp"), cfg)
+    self.down_proj = _param(rngs, L + (i, h), la + ("mlp", "embed"), cfg)
+
+  def __call__(self, x, positions, mask, cfg: Qwen3Config, kv=None, write_index=None):
+    """Applies ONE layer (called on a per-layer slice of the stacked state).
+
+    kv: optional (k_cache, v_cache) [B, S, Nkv, D] of this layer; k/v of the new
+    tokens are written at `write_index` [B, T] and attention runs over the cache.
+    """
+    dt = jnp.dtype(cfg.dtype)
+    cn = checkpoint_name
+    w = lambda p: p[...].astype(dt)
+    h = rms_norm(x, self.input_layernorm[...], cfg.rms_norm_eps)
+    q = cn(jnp.einsum("bth,hnd->btnd", h, w(self.q_proj)), "query_proj")
+    k = cn(jnp.einsum("bth,hnd->btnd", h, w(self.k_proj)), "key_proj")
+    v = cn(jnp.einsum("bth,hnd->btnd", h, w(self.v_proj)), "value_proj")
+    q = sharding.constrain(q, ("batch", "length", "act_heads", None))
+    k = sharding.constrain(k, ("batch", "length", "act_kv_heads", None))
+    q = rope(rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    k = rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    new_kv = None
+    if kv is not None:
+      k_cache, v_cache = kv
+      b_idx = jnp.arange(x.shape[0])[:, None]
+      # mode="drop": padded tokens may carry positions past the cache end.
+      k_cache = k_cache.at[b_idx, write_index].set(k.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[b_idx, write_index].set(v.astype(v_cache.dtype), mode="drop")
+      new_kv = (k_cache, v_cache)
+      k, v = k_cache.astype(dt), v_cache.astype(dt)
+    a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk)
+    a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
+    x = x + a
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    h = rms_norm(x, self.post_attention_layernorm[...], cfg.rms_norm_eps)
+    g = jnp.einsum("bth,hi->bti", h, w(self.gate_proj))
+    u = jnp.einsum("bth,hi->bti", h, w(self.up_proj))
+    m = sharding.constrain(jax.nn.silu(g) * u, ("batch", "length", "act_mlp"))
+    x = x + cn(jnp.einsum("bti,ih->bth", m, w(self.down_proj)), "mlp_out")
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+    return x, new_kv
+
+
+def _remat_policy(name: str):
+  cp = jax.checkpoint_policies
+  return {
+      "full": None,  # save nothing, recompute the whole block
+      "dots": cp.checkpoint_dots,
+      "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+      "qkv_proj": cp.save_only_these_names("query_proj", "key_proj", "value_proj",
+                                           "out_proj", "mlp_out"),
+  }[name]
+
+
+class Qwen3(nnx.Module):
+  """Qwen3 causal LM. `__call__` returns final hidden states; see `logits`, `token_logprobs`."""
+
+  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+    self.layers = DecoderLayer(cfg, cfg.num_hidden_layers, rngs=rngs)
+    self.norm = _param(rngs, (cfg.hidden_size,), ("norm",), cfg, "ones")
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+  # --- Forward -------------------------------------------------------------
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, cache: Cache | None = None
+               ) -> tuple[jax.Array, Cache | None]:
+    """Runs the decoder.
+
+    Without `cache` (training, scoring): `segment_ids` [B, T] (0 = padding, equal
+    ids = one packed sequence) and `positions` [B, T] (restart at 0 per segment)
+    define a block-diagonal causal mask. With `cache` (prefill / decode): the tokens
+    are written into the cache at `positions` and attend to slots <= their position.
+    Returns (hidden [B, T, H] after the final norm, updated cache or None).
+    """
+    cfg = self.cfg
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if cache is None:
+      if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+      same = segment_ids[:, :, None] == segment_ids[:, None, :]
+      causal = positions[:, None, :] <= positions[:, :, None]
+      idx = jnp.arange(t)
+      order = idx[None, :] <= idx[:, None]  # guards packed rows with repeated positions
+      mask = same & causal & order[None] & (segment_ids[:, None, :] != 0)
+    else:
+      slots = jnp.arange(cache["k"].shape[2])
+      mask = slots[None, None, :] <= positions[:, :, None]
+    x = self.embed_tokens[...].astype(jnp.dtype(cfg.dtype))[tokens]
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def body(x, xs):
+      state, kv = xs
+      layer = nnx.merge(graphdef, state)
+      x, new_kv = layer(x, positions, mask, cfg, kv=kv, write_index=positions)
+      return x, new_kv
+
+    if cfg.remat_policy != "none":
+      body = jax.checkpoint(body, policy=_remat_policy(cfg.remat_policy),
+                            prevent_cse=not cfg.scan_layers)
+    kv_xs = None if cache is None else (cache["k"], cache["v"])
+    if cfg.scan_layers:
+      x, new_kv = jax.lax.scan(body, x, (layer_state, kv_xs))
+    else:
+      outs = []
+      for i in range(cfg.num_hidden_layers):
+        xs_i = jax.tree.map(lambda a: a[i], (layer_state, kv_xs))
+        x, kv_i = body(x, xs_i)
+        outs.append(kv_i)
+      new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+    new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
+    return x, new_cache
+
+  # --- Heads ---------------------------------------------------------------
+  def unembedding(self) -> jax.Array:
+    """[H, V] output projection (the transposed embedding when tied)."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed_tokens[...].T
+    return self.lm_head[...]
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    w = self.unembedding().astype(jnp.dtype(self.cfg.dtype))
+    out = jnp.einsum("bth,hv->btv", hidden, w, preferred_element_type=jnp.float32)
+    return sharding.constrain(out, ("batch", "length", "act_vocab"))
+
+  def token_logprobs(self, hidden: jax.Array, targets: jax.Array, *, chunk: int = 512,
+                     temperature: float = 1.0, return_entropy: bool = False):
+    """log p(targets) per token, chunked over the sequence (see `chunked_logprobs`)."""
+    w = self.unembedding().astype(jnp.dtype(self.cfg.dtype))
+    return chunked_logprobs(hidden, w, targets, chunk=chunk, temperature=temperature,
+                            return_entropy=return_entropy)
+
+  # --- KV cache ------------------------------------------------------------
+  def init_cache(self, batch: int, max_len: int, dtype: Any | None = None) -> Cache:
+    cfg = self.cfg
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    dt = jnp.dtype(dtype or cfg.dtype)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", None)
+
+
+def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
+                     chunk: int = 512, temperature: float = 1.0,
+                     return_entropy: bool = False):
+  """Per-token log-probs (and entropies) of `targets` without [B, T, V] logits.
+
+  Logits exist for `chunk` positions at a time and are recomputed in the backward
+  pass (jax.checkpoint), so peak memory is O(B * chunk * V) instead of O(B * T * V):
+  at 12K tokens x 151,936 vocab the full fp32 logits alone are 7.3 GB per sequence.
+  """
+  b, t, h = hidden.shape
+  chunk = min(chunk, t)
+  pad = (-t) % chunk
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  n = hidden.shape[1] // chunk
+  hc = hidden.reshape(b, n, chunk, h).swapaxes(0, 1)
+  tc = targets.reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    hx, tx = args
+    logits = jnp.einsum("bth,hv->btv", hx, unembed, preferred_element_type=jnp.float32)
+    logits = sharding.constrain(logits, ("batch", "length", "act_vocab")) / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tx[..., None], axis=-1)[..., 0]
+    lp = picked - lse
+    if not return_entropy:
+      return lp, jnp.zeros_like(lp)
+    p = jax.nn.softmax(logits, axis=-1)
+    return lp, lse - jnp.sum(p * logits, axis=-1)
+
+  lp, ent = jax.lax.map(one, (hc, tc))
+  lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  if not return_entropy:
+    return lp
+  return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward_logits(graphdef, state, tokens, positions, segment_ids):
+  model = nnx.merge(graphdef, state)
+  hidden, _ = model(tokens, positions, segment_ids)
+  return model.logits(hidden)
+
+
+def forward_logits(model: Qwen3, tokens, positions=None, segment_ids=None) -> jax.Array:
+  """Jitted full-logits forward (tests, small models)."""
+  graphdef, state = nnx.split(model)
+  b, t = tokens.shape
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  return _forward_logits(graphdef, state, tokens, positions, segment_ids)
+
+
+def create_model(cfg: Qwen3Config, seed: int = 0) -> Qwen3:
+  return Qwen3(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: Qwen3Config) -> Qwen3:
+  """The model with ShapeDtypeStruct leaves: shapes and metadata, nothing allocated."""
+  return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(params=0)))

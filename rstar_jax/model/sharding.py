@@ -1,0 +1,179 @@
+"""Mesh construction and logical-axis sharding rules.
+
+Parameters and activations are annotated with *logical* axis names ("embed",
+"mlp", "batch", ...). A rules table maps each logical name to mesh axes of the
+`(data, fsdp, tensor)` mesh, as in MaxText. Changing the parallelism is a change of
+rules or mesh shape, never of model code.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterable, Sequence
+
+from absl import logging
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. FSDP shards the model dimension of every weight;
+# tensor parallelism splits heads, MLP width and vocab (Megatron layout), so each
+# layer needs one all-reduce per attention and per MLP block.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    # Parameters.
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    # Activations.
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_length", None),
+)
+
+
+def make_mesh(shape: dict[str, int] | Sequence[int],
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh; one size may be -1 to fill the rest."""
+  if isinstance(shape, dict):
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+      raise ValueError(f"mesh: unknown axes {sorted(unknown)}; axes are {MESH_AXES}")
+    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+  else:
+    sizes = [int(s) for s in shape]
+    if len(sizes) != len(MESH_AXES):
+      raise ValueError(f"mesh: expected {len(MESH_AXES)} sizes for {MESH_AXES}, got {sizes}")
+  devices = list(devices) if devices is not None else jax.devices()
+  n = len(devices)
+  if sum(s == -1 for s in sizes) > 1:
+    raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh: sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if n % known:
+      raise ValueError(f"mesh: {n} devices do not divide by the fixed axes "
+                       f"{dict(zip(MESH_AXES, sizes))} (product {known})")
+    sizes[sizes.index(-1)] = n // known
+  if math.prod(sizes) != n:
+    raise ValueError(
+        f"mesh: axes {dict(zip(MESH_AXES, sizes))} multiply to {math.prod(sizes)} but "
+        f"there are {n} devices; make them match or use -1 for one axis")
+  dev_array = np.asarray(devices).reshape(sizes)
+  return Mesh(dev_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(axes: Iterable[str | None], rules=DEFAULT_RULES) -> P:
+  table = dict(rules)
+  out, used = [], set()
+  for name in axes:
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise KeyError(f"logical axis {name!r} has no sharding rule; rules cover {sorted(table)}")
+    mesh_axes = table[name]
+    if mesh_axes is None:
+      out.append(None)
+      continue
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    # A mesh axis may shard only one dimension of an array.
+    mesh_axes = tuple(a for a in mesh_axes if a not in used)
+    used.update(mesh_axes)
+    out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+  return P(*out)
+
+
+def fit_spec_to_shape(spec: P, shape: Sequence[int], mesh: Mesh, what: str = "") -> P:
+  """Drops mesh axes from dimensions they do not divide (replicates them instead).
+
+  Tiny test models and odd vocabularies would otherwise fail to shard; we log it
+  so a real run never silently replicates a large weight.
+  """
+  out = []
+  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if entry is None:
+      out.append(None)
+      continue
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = []
+    for a in axes:
+      if dim % (math.prod(mesh.shape[k] for k in kept) * mesh.shape[a]) == 0:
+        kept.append(a)
+      else:
+        logging.log_first_n(logging.WARNING, "%s: dim %d not divisible by mesh axis %r "
+                            "(size %d); replicating over it", 20, what, dim, a, mesh.shape[a])
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return P(*out)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int],
+                   rules=DEFAULT_RULES, what: str = "") -> NamedSharding:
+  spec = fit_spec_to_shape(logical_to_spec(axes, rules), shape, mesh, what)
+  return NamedSharding(mesh, spec)
+
+
+def _is_variable(x) -> bool:
+  from flax import nnx
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
+  """NamedSharding for every Variable of an nnx State, from its `logical_axes`.
+
+  Returns a pytree with the same structure as `state` (Variables whose value is a
+  NamedSharding), usable as `out_shardings` / `in_shardings` of jax.jit.
+  """
+  def one(path, var):
+    axes = var.get_metadata().get("logical_axes")
+    shape = var.get_value().shape
+    name = jax.tree_util.keystr(path)
+    if axes is None:
+      axes = (None,) * len(shape)
+    if len(axes) != len(shape):
+      raise ValueError(f"{name}: logical_axes {axes} do not match shape {shape}")
+    return var.replace(named_sharding(mesh, axes, shape, rules, what=name))
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+# ---- Activation constraints (active only inside `use_mesh_rules`). ----
+_CTX: contextvars.ContextVar[tuple[Mesh, Any] | None] = contextvars.ContextVar(
+    "rstar_mesh_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh_rules(mesh: Mesh | None, rules=DEFAULT_RULES):
+  """Enables `constrain` inside the block (typically around tracing a jitted step)."""
+  token = _CTX.set(None if mesh is None else (mesh, rules))
+  try:
+    yield
+  finally:
+    _CTX.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """with_sharding_constraint by logical axes; a no-op without an active mesh."""
+  ctx = _CTX.get()
+  if ctx is None:
+    return x
+  mesh, rules = ctx
+  spec = fit_spec_to_shape(logical_to_spec(axes, rules), x.shape, mesh, what="activation")
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a [batch, ...] input array: batch over data (and fsdp)."""
+  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))

@@ -1,0 +1,107 @@
+"""Logit parity with transformers' Qwen3ForCausalLM (torch, CPU, fp32)."""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rstar_jax.model import hf_io, qwen3
+from tests.model import hf_fixtures
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("tied,heads,kv_heads", [
+    (False, 4, 2),   # GQA, query/KV ratio 2
+    (True, 4, 4),    # MHA, ratio 1, tied embeddings
+    (True, 6, 2),    # ratio 3
+])
+def test_logits_match_transformers(tmp_path, tied, heads, kv_heads):
+  hf = hf_fixtures.make_hf_model(str(tmp_path), tie_word_embeddings=tied,
+                                 num_attention_heads=heads, num_key_value_heads=kv_heads)
+  model = hf_io.load_hf(str(tmp_path))
+  assert model.cfg.tie_word_embeddings == tied
+  tokens = np.random.RandomState(1).randint(0, 97, size=(2, 13))
+  ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens)))
+  ref = hf_fixtures.torch_logits(hf, tokens)
+  assert np.abs(ours - ref).max() <= TOL
+
+
+def test_padding_left_and_right(tmp_path):
+  hf = hf_fixtures.make_hf_model(str(tmp_path))
+  model = hf_io.load_hf(str(tmp_path))
+  rng = np.random.RandomState(2)
+  tokens = rng.randint(0, 97, size=(3, 11))
+  mask = np.ones((3, 11), np.int64)
+  mask[0, 8:] = 0    # right padding
+  mask[1, :4] = 0    # left padding
+  positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+  ref = hf_fixtures.torch_logits(hf, tokens, mask, positions)
+  ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens), jnp.asarray(positions),
+                                         jnp.asarray(mask)))
+  valid = mask.astype(bool)
+  assert np.abs(ours[valid] - ref[valid]).max() <= TOL
+  # Unpadded row 0 alone must give the same logits as inside the padded batch.
+  alone = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens[:1, :8])))
+  assert np.abs(alone[0] - ours[0, :8]).max() <= TOL
+
+
+def test_packed_segments_equal_separate_sequences(tmp_path):
+  hf_fixtures.make_hf_model(str(tmp_path))
+  model = hf_io.load_hf(str(tmp_path))
+  rng = np.random.RandomState(3)
+  a, b = rng.randint(0, 97, size=5), rng.randint(0, 97, size=7)
+  packed = np.concatenate([a, b, [0, 0]])[None]
+  seg = np.array([[1] * 5 + [2] * 7 + [0, 0]])
+  pos = np.array([list(range(5)) + list(range(7)) + [0, 0]])
+  out = np.asarray(qwen3.forward_logits(model, jnp.asarray(packed), jnp.asarray(pos),
+                                        jnp.asarray(seg)))
+  la = np.asarray(qwen3.forward_logits(model, jnp.asarray(a[None])))
+  lb = np.asarray(qwen3.forward_logits(model, jnp.asarray(b[None])))
+  assert np.abs(out[0, :5] - la[0]).max() <= TOL
+  assert np.abs(out[0, 5:12] - lb[0]).max() <= TOL
+
+
+def test_sharded_index_and_transformers4_config(tmp_path):
+  hf = hf_fixtures.make_hf_model(str(tmp_path), max_shard_size="20KB")
+  assert os.path.exists(tmp_path / "model.safetensors.index.json")
+  hf_fixtures.rewrite_config_transformers4(str(tmp_path))
+  cfg = hf_io.load_config(str(tmp_path))
+  assert cfg.rope_theta == 10_000.0
+  model = hf_io.load_hf(str(tmp_path))
+  tokens = np.random.RandomState(4).randint(0, 97, size=(1, 9))
+  ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens)))
+  assert np.abs(ours - hf_fixtures.torch_logits(hf, tokens)).max() <= TOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip_jax_to_hf_dir_to_transformers(tmp_path, tied):
+  cfg = qwen3.Qwen3Config(vocab_size=89, hidden_size=32, intermediate_size=40,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, tie_word_embeddings=tied, rope_theta=5_000.0,
+                          initializer_range=0.2)
+  model = qwen3.create_model(cfg, seed=7)
+  out = str(tmp_path / "export")
+  hf_io.save_hf(model, out, dtype="float32", max_shard_bytes=30_000)
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["tie_word_embeddings"] == tied
+  hf = transformers.Qwen3ForCausalLM.from_pretrained(out, dtype="float32").eval()
+  tokens = np.random.RandomState(5).randint(0, 89, size=(2, 10))
+  ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens)))
+  assert np.abs(ours - hf_fixtures.torch_logits(hf, tokens)).max() <= TOL
+  # And back into JAX: identical parameters.
+  again = hf_io.load_hf(out)
+  again_logits = np.asarray(qwen3.forward_logits(again, jnp.asarray(tokens)))
+  np.testing.assert_array_equal(again_logits, ours)
+
+
+def test_bf16_export_loads_in_transformers(tmp_path):
+  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=8)
+  model = qwen3.create_model(cfg)
+  hf_io.save_hf(model, str(tmp_path), dtype="bfloat16")
+  hf = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path))
+  assert next(hf.parameters()).dtype.__repr__() == "torch.bfloat16"
