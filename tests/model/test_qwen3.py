@@ -1,0 +1,208 @@
+"""Qwen3 model behaviour: KV cache, chunked log-probs, sharding, remat, bad checkpoints."""
+import json
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rstar_jax.model import hf_io, qwen3, sharding
+from rstar_jax.model.config import Qwen3Config, get_preset
+
+CFG = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  initializer_range=0.3, rope_theta=10_000.0)
+
+
+def _tokens(b, t, seed=0, vocab=101):
+  return jnp.asarray(np.random.RandomState(seed).randint(0, vocab, size=(b, t)))
+
+
+def test_kv_cache_decode_matches_full_forward():
+  model = qwen3.create_model(CFG, seed=1)
+  tokens = _tokens(3, 12)
+  full = np.asarray(qwen3.forward_logits(model, tokens))
+  # Different prompt lengths per row, right-padded prefill, then one token at a time:
+  # the continuous-batching pattern of the rollout engine.
+  lengths = np.array([4, 7, 5])
+  cache = model.init_cache(3, 16)
+  pos = jnp.where(jnp.arange(7)[None] < lengths[:, None], jnp.arange(7)[None], 15)
+  hidden, cache = model(tokens[:, :7], pos, cache=cache)
+  logits = np.asarray(model.logits(hidden))
+  for r in range(3):
+    np.testing.assert_allclose(logits[r, lengths[r] - 1], full[r, lengths[r] - 1], atol=1e-5)
+  cur = lengths.copy()
+  for _ in range(4):
+    step_tok = tokens[jnp.arange(3), cur][:, None]
+    hidden, cache = model(step_tok, jnp.asarray(cur)[:, None], cache=cache)
+    step = np.asarray(model.logits(hidden))[:, 0]
+    np.testing.assert_allclose(step, full[np.arange(3), cur], atol=1e-5)
+    cur += 1
+
+
+def test_chunked_logprobs_equal_log_softmax_of_full_logits():
+  model = qwen3.create_model(CFG, seed=2)
+  tokens = _tokens(2, 23, seed=3)
+  hidden, _ = model(tokens)
+  logits = model.logits(hidden)
+  targets = jnp.roll(tokens, -1, axis=1)
+  ref_lp = jnp.take_along_axis(jax.nn.log_softmax(logits / 0.7), targets[..., None], -1)[..., 0]
+  p = jax.nn.softmax(logits / 0.7)
+  ref_ent = -jnp.sum(p * jax.nn.log_softmax(logits / 0.7), -1)
+  for chunk in (1, 5, 8, 23, 64):  # 5 and 8 do not divide 23: exercises padding
+    lp, ent = model.token_logprobs(hidden, targets, chunk=chunk, temperature=0.7,
+                                   return_entropy=True)
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, ref_ent, atol=1e-5)
+
+
+def _loss_fn(graphdef):
+  def loss(state, tokens):
+    m = nnx.merge(graphdef, state)
+    h, _ = m(tokens)
+    return -m.token_logprobs(h[:, :-1], tokens[:, 1:], chunk=8).mean()
+  return loss
+
+
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_sharded_forward_and_grads_equal_unsharded(mesh_shape):
+  assert jax.device_count() == 8, "conftest should fake 8 CPU devices"
+  cfg = CFG.replace(hidden_size=64, intermediate_size=96, num_key_value_heads=2)
+  model = qwen3.create_model(cfg, seed=4)
+  graphdef, state = nnx.split(model)
+  tokens = _tokens(4, 16, seed=5)
+  loss = _loss_fn(graphdef)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(state, tokens)
+
+  mesh = sharding.make_mesh(mesh_shape)
+  shardings = sharding.state_shardings(state, mesh)
+  sharded_state = jax.device_put(state, shardings)
+  # The weights really are split: fsdp on embed, tensor on heads.
+  q = sharded_state["layers"]["q_proj"].get_value()
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  assert q.addressable_shards[0].data.shape == (2, 64 // mesh.shape["fsdp"], 4 // 2, 8)
+  tok = jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+  with sharding.use_mesh_rules(mesh):
+    fn = jax.jit(jax.value_and_grad(loss), out_shardings=(None, shardings))
+    s_loss, s_grads = fn(sharded_state, tok)
+  np.testing.assert_allclose(s_loss, ref_loss, rtol=1e-5)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(ref_grads), nnx.to_flat_state(s_grads)):
+    np.testing.assert_allclose(np.asarray(b.get_value()), np.asarray(a.get_value()),
+                               atol=1e-6, rtol=1e-4, err_msg=str(path))
+
+
+def test_load_hf_onto_mesh_places_shards(tmp_path):
+  from tests.model import hf_fixtures
+  hf = hf_fixtures.make_hf_model(str(tmp_path), max_shard_size="30KB")
+  mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+  model = hf_io.load_hf(str(tmp_path), mesh=mesh)
+  up = model.layers.up_proj.get_value()
+  assert up.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  tokens = np.random.RandomState(0).randint(0, 97, size=(4, 9))
+  with sharding.use_mesh_rules(mesh):
+    ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens)))
+  assert np.abs(ours - hf_fixtures.torch_logits(hf, tokens)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "qkv_proj"])
+def test_remat_policies_keep_gradients(policy):
+  model = qwen3.create_model(CFG, seed=6)
+  graphdef, state = nnx.split(model)
+  tokens = _tokens(2, 10, seed=7)
+  ref = jax.jit(jax.grad(_loss_fn(graphdef)))(state, tokens)
+  rgraph, rstate = nnx.split(qwen3.Qwen3(CFG.replace(remat_policy=policy), rngs=nnx.Rngs(params=6)))
+  got = jax.jit(jax.grad(_loss_fn(rgraph)))(rstate, tokens)
+  for (p, a), (_, b) in zip(nnx.to_flat_state(ref), nnx.to_flat_state(got)):
+    np.testing.assert_allclose(b.get_value(), a.get_value(), atol=1e-6, err_msg=str(p))
+
+
+def test_chunked_attention_and_unscanned_layers_match():
+  base = qwen3.create_model(CFG, seed=8)
+  tokens = _tokens(2, 19, seed=9)
+  seg = jnp.asarray([[1] * 19, [1] * 12 + [2] * 5 + [0] * 2])
+  pos = jnp.asarray([list(range(19)), list(range(12)) + list(range(5)) + [0, 0]])
+  ref = np.asarray(qwen3.forward_logits(base, tokens, pos, seg))
+  for change in ({"attention_impl": "chunked", "attention_chunk": 4}, {"scan_layers": False}):
+    other = qwen3.Qwen3(CFG.replace(**change), rngs=nnx.Rngs(params=8))
+    got = np.asarray(qwen3.forward_logits(other, tokens, pos, seg))
+    valid = np.asarray(seg) != 0
+    np.testing.assert_allclose(got[valid], ref[valid], atol=1e-5, err_msg=str(change))
+
+
+def test_bf16_compute_stays_close_to_fp32():
+  model = qwen3.create_model(CFG, seed=10)
+  tokens = _tokens(2, 16, seed=11)
+  ref = np.asarray(qwen3.forward_logits(model, tokens))
+  bf = qwen3.Qwen3(CFG.replace(dtype="bfloat16", param_dtype="bfloat16"),
+                   rngs=nnx.Rngs(params=10))
+  got = np.asarray(qwen3.forward_logits(bf, tokens))
+  assert got.dtype == np.float32
+  assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
+  assert np.abs(got - ref).max() > 0  # really ran in lower precision
+
+
+def test_make_mesh_fill_and_errors():
+  mesh = sharding.make_mesh({"fsdp": -1, "tensor": 2})
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+  with pytest.raises(ValueError, match="multiply to 6 but there are 8 devices"):
+    sharding.make_mesh({"fsdp": 3, "tensor": 2})
+  with pytest.raises(ValueError, match="unknown axes"):
+    sharding.make_mesh({"fsdp": 8, "pipeline": 1})
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    sharding.make_mesh({"fsdp": -1, "tensor": -1})
+
+
+def test_presets_match_published_numbers():
+  p = get_preset("qwen3-14b")
+  assert (p.hidden_size, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads,
+          p.head_dim, p.intermediate_size, p.vocab_size, p.rope_theta,
+          p.tie_word_embeddings) == (5120, 40, 40, 8, 128, 17408, 151936, 1e6, False)
+  assert get_preset("qwen3-0.6b").tie_word_embeddings
+  assert 14.0e9 < p.num_params < 15.0e9  # Qwen3-14B: 14.8B parameters
+  assert 0.55e9 < get_preset("qwen3-0.6b").num_params < 0.65e9
+  with pytest.raises(ValueError, match="Unknown model preset"):
+    get_preset("qwen3-15b")
+
+
+# ---- Bad checkpoints ------------------------------------------------------------
+def _saved(tmp_path, **kw):
+  model = qwen3.create_model(CFG.replace(**kw))
+  hf_io.save_hf(model, str(tmp_path), dtype="float32")
+  return str(tmp_path)
+
+
+def test_config_missing_field_is_named(tmp_path):
+  d = _saved(tmp_path)
+  cfg = json.load(open(os.path.join(d, "config.json")))
+  del cfg["hidden_size"]
+  json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  with pytest.raises(hf_io.CheckpointError, match=r"missing required field\(s\) \['hidden_size'\]"):
+    hf_io.load_hf(d)
+
+
+def test_missing_and_misshaped_tensors_are_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  d = _saved(tmp_path)
+  path = os.path.join(d, "model.safetensors")
+  tensors = load_file(path)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 32), np.float32)
+  save_file(tensors, path)
+  with pytest.raises(hf_io.CheckpointError) as e:
+    hf_io.load_hf(d)
+  msg = str(e.value)
+  assert "missing tensor model.layers.1.mlp.up_proj.weight" in msg
+  assert "model.layers.0.self_attn.k_proj.weight has shape [3, 32], expected [16, 32]" in msg
+
+
+def test_unsupported_configs_are_rejected(tmp_path):
+  d = _saved(tmp_path)
+  cfg = json.load(open(os.path.join(d, "config.json")))
+  for bad, match in (({"model_type": "llama"}, "expected 'qwen3'"),
+                     ({"attention_bias": True}, "attention_bias"),
+                     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads")):
+    json.dump({**cfg, **bad}, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(hf_io.CheckpointError, match=match):
+      hf_io.load_config(d)
