@@ -1,0 +1,315 @@
+"""Tests for rstar_jax.data.math_data: layouts, malformed rows, filters, iteration, SFT rows."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rstar_jax.data import math_data as md
+
+DAPO_PROMPT = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    "\n\nWhat is $6 \\times 7$?\n\n"
+    'Remember to put your answer on its own line after "Answer:".')
+
+
+def _verl_row(text, answer, index):
+  return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": text}],
+          "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule"},
+          "extra_info": {"index": index}}
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+  return path
+
+
+def _problems(n, prefix="p"):
+  return [md.MathProblem(f"{prefix}{i}", f"problem {i}", str(i), "test") for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def test_dapo_parquet_layout(tmp_path):
+  rows = [_verl_row(DAPO_PROMPT, "42", "a-1"), _verl_row("Compute 2+2.", "4", "a-2")]
+  path = tmp_path / "dapo.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  result = md.load_math_problems(path)
+  assert [p.uid for p in result.items] == ["a-1", "a-2"]
+  first = result.items[0]
+  assert first.problem == "What is $6 \\times 7$?"  # DAPO wrapper stripped.
+  assert first.answer == "42" and first.source == "math_dapo"
+  assert first.meta["ability"] == "MATH" and first.meta["reward_style"] == "rule"
+  assert result.num_rows == 2 and result.num_skipped == 0
+  kept = md.load_math_problems(path, strip_instructions=False).items[0]
+  assert kept.problem.startswith("Solve the following")
+
+
+def test_verl_jsonl_with_system_message(tmp_path):
+  row = _verl_row("Find x.", 3, 7)
+  row["prompt"].insert(0, {"role": "system", "content": "be brief"})
+  result = md.load_math_problems(_write_jsonl(tmp_path / "v.jsonl", [row]), layout="verl")
+  (p,) = result.items
+  assert (p.uid, p.problem, p.answer, p.meta["system"]) == ("7", "Find x.", "3", "be brief")
+
+
+def test_plain_and_aime_layouts(tmp_path):
+  plain = _write_jsonl(tmp_path / "math500.jsonl", [
+      {"problem": "What is 1+1?", "answer": "2", "unique_id": "test/1.json", "level": 1}])
+  aime = _write_jsonl(tmp_path / "aime24.jsonl", [
+      {"ID": "2024-I-1", "Problem": "Find N.", "Answer": 204, "Solution": "..."}])
+  aime25 = _write_jsonl(tmp_path / "aime25.jsonl", [{"question": "Find M.", "answer": "70"}])
+  result = md.load_math_problems([plain, aime, aime25])
+  a, b, c = result.items
+  assert (a.uid, a.problem, a.answer, a.meta["level"]) == ("test/1.json", "What is 1+1?", "2", 1)
+  assert (b.uid, b.answer, b.source) == ("2024-I-1", "204", "aime24")
+  assert (c.uid, c.problem, c.answer) == ("aime25:1", "Find M.", "70")
+
+
+def test_solution_boxed_answer_and_json_array(tmp_path):
+  path = tmp_path / "sol.json"
+  path.write_text(json.dumps([
+      {"problem": "P1", "solution": "So \\boxed{x} no, finally $\\boxed{\\frac{1}{2}}$."},
+      {"problem": "P2", "solution": "thus \\boxed 5$"}]))
+  first, second = md.load_math_problems(path).items
+  assert first.answer == "\\frac{1}{2}" and first.meta["solution"].startswith("So")
+  assert second.answer == "5"
+
+
+def test_unknown_file_type_and_missing_file(tmp_path):
+  (tmp_path / "x.csv").write_text("a,b\n")
+  with pytest.raises(ValueError, match="unknown file type"):
+    md.load_math_problems(tmp_path / "x.csv")
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    md.load_math_problems(tmp_path / "nope.jsonl")
+  with pytest.raises(KeyError, match="known"):
+    md.load_math_problems(tmp_path / "x.csv", layout="hf")
+
+
+# ---------------------------------------------------------------------------- malformed rows
+
+
+@pytest.mark.parametrize("line, field, message", [
+    ('{"problem": "ok", "answer": ', None, "invalid JSON"),
+    ('{"answer": "3"}', "problem", "missing"),
+    ('{"problem": 12, "answer": "3"}', "problem", "must be a string"),
+    ('{"problem": "P", "answer": "  "}', "answer", "empty answer"),
+    ('{"problem": "P", "answer": [1]}', "answer", "string or a number"),
+    ('{"problem": "P"}', "answer", "missing"),
+    ('{"problem": "P", "solution": "no box here"}', "solution", "boxed"),
+    ('[1, 2]', None, "JSON object"),
+    ('{"prompt": "P", "reward_model": {"style": "rule"}}', "reward_model.ground_truth", "missing"),
+    ('{"prompt": [{"role": "user", "content": 5}], "reward_model": {"ground_truth": "1"}}',
+     "prompt[0].content", "must be a string"),
+])
+def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message):
+  good = json.dumps({"problem": "fine", "answer": "1"})
+  path = tmp_path / "bad.jsonl"
+  path.write_text(f"{good}\n\n{line}\n")  # The blank line 2 still counts: the bad row is line 3.
+  with pytest.raises(md.DataError) as info:
+    md.load_math_problems(path)
+  error = info.value.row_error
+  assert (error.row, error.unit, error.field) == (3, "line", field)
+  assert message in str(info.value)
+  assert "bad.jsonl, line 3" in str(info.value)
+
+
+def test_parquet_error_names_row(tmp_path):
+  rows = [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": ""}]
+  path = tmp_path / "t.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  with pytest.raises(md.DataError, match=r"t\.parquet, row 2, field 'answer': empty answer"):
+    md.load_math_problems(path)
+
+
+def test_skip_mode_counts_and_reports(tmp_path):
+  lines = [json.dumps({"problem": f"p{i}", "answer": str(i)}) for i in range(4)]
+  lines.insert(1, "not json")
+  lines.insert(3, json.dumps({"problem": "x", "answer": ""}))
+  lines.append(json.dumps({"problem": None, "answer": "1"}))
+  path = _write_jsonl(tmp_path / "mixed.jsonl", lines)
+  result = md.load_math_problems(path, on_error="skip", max_reported=2)
+  assert [p.problem for p in result.items] == ["p0", "p1", "p2", "p3"]
+  assert (result.num_rows, result.num_skipped) == (7, 3)
+  assert [e.row for e in result.errors] == [2, 4]  # Only the first two reasons are kept...
+  assert "skipped 3" in result.summary() and "1 more" in result.summary()  # ...all are counted.
+  with pytest.raises(ValueError, match="on_error"):
+    md.load_math_problems(path, on_error="ignore")
+
+
+# ---------------------------------------------------------------------------- filters
+
+
+@pytest.mark.parametrize("text, value", [
+    ("42", "42"), ("-7", "-7"), ("+3", "3"), ("1,000", "1000"), ("1{,}000", "1000"),
+    ("1\\,000", "1000"), ("$42$", "42"), ("\\boxed{12}", "12"), (" 007 ", "7"),
+    ("12,345,678", "12345678"), ("1/2", None), ("\\sqrt{2}", None), ("3.5", None),
+    ("42.0", None), ("(1,2)", None), ("1,2", None), ("12,34", None), ("\\frac{1}{2}", None)])
+def test_integer_filter_cases(text, value):
+  kept, dropped = md.filter_integer_answers([md.MathProblem("u", "P", text, "s")])
+  assert [p.answer for p in kept] == ([] if value is None else [value])
+  assert len(dropped) == (value is None)
+
+
+def test_filter_integer_answers():
+  problems = [md.MathProblem("a", "A", "1,000", "s"), md.MathProblem("b", "B", "1/2", "s"),
+              md.MathProblem("c", "C", "-7", "s"), md.MathProblem("d", "D", "\\sqrt{2}", "s")]
+  kept, dropped = md.filter_integer_answers(problems)
+  assert [(p.uid, p.answer) for p in kept] == [("a", "1000"), ("c", "-7")]
+  assert kept[0].meta["raw_answer"] == "1,000" and "raw_answer" not in kept[1].meta
+  assert [p.uid for p in dropped] == ["b", "d"]
+
+
+def test_deduplicate_by_normalised_text():
+  problems = [md.MathProblem("a", "What is  2+2?", "4", "s"),
+              md.MathProblem("b", "what is 2+2?\n", "4", "s"),
+              md.MathProblem("c", "What is 3+3?", "6", "s"),
+              md.MathProblem("d", "WHAT IS 2+2?", "5", "s")]
+  kept, duplicates = md.deduplicate(problems)
+  assert [p.uid for p in kept] == ["a", "c"]
+  assert [p.uid for p in duplicates] == ["b", "d"]
+
+
+def test_split_is_seeded_and_disjoint():
+  problems = _problems(20)
+  train, held = md.split_problems(problems, held_out=0.25, seed=3)
+  assert len(held) == 5 and len(train) == 15
+  assert {p.uid for p in train} | {p.uid for p in held} == {p.uid for p in problems}
+  assert md.split_problems(problems, held_out=5, seed=3) == (train, held)
+  assert md.split_problems(problems, held_out=5, seed=4) != (train, held)
+  with pytest.raises(ValueError, match="held_out"):
+    md.split_problems(problems, held_out=21, seed=0)
+
+
+# ---------------------------------------------------------------------------- iterator
+
+
+def _uids(batch):
+  return [p.uid for p in batch]
+
+
+def test_iterator_is_deterministic_and_reshuffles_each_epoch():
+  problems = _problems(10)
+  a = md.EpochIterator(problems, batch_size=3, seed=7)
+  b = md.EpochIterator(problems, batch_size=3, seed=7)
+  run_a = [_uids(next(a)) for _ in range(9)]
+  assert run_a == [_uids(next(b)) for _ in range(9)]
+  assert all(len(batch) == 3 for batch in run_a)
+  epoch0, epoch1 = sum(run_a[:3], []), sum(run_a[3:6], [])
+  assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9  # No repeats inside an epoch.
+  assert epoch0 != epoch1
+  assert a.epoch == 3 and a.batches_per_epoch == 3
+  other = md.EpochIterator(problems, batch_size=3, seed=8)
+  assert [_uids(next(other)) for _ in range(3)] != run_a[:3]
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False])
+@pytest.mark.parametrize("stop_after", [1, 3, 4, 5])
+def test_iterator_resumes_exactly(drop_remainder, stop_after):
+  problems = _problems(10)
+  reference = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  expected = [_uids(next(reference)) for _ in range(stop_after + 6)]
+  first = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  for _ in range(stop_after):
+    next(first)
+  state = json.loads(json.dumps(first.state()))  # Must survive a JSON checkpoint.
+  resumed = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  resumed.restore(state)
+  assert [_uids(next(resumed)) for _ in range(6)] == expected[stop_after:]
+
+
+def test_iterator_short_last_batch_and_num_epochs():
+  it = md.EpochIterator(_problems(5), batch_size=2, seed=0, drop_remainder=False, num_epochs=2)
+  sizes = [len(batch) for batch in it]
+  assert sizes == [2, 2, 1, 2, 2, 1]
+
+
+def test_iterator_rejects_foreign_state_and_bad_settings():
+  it = md.EpochIterator(_problems(6), batch_size=2, seed=0)
+  with pytest.raises(ValueError, match="fingerprint"):
+    it.restore(md.EpochIterator(_problems(6, "q"), batch_size=2, seed=0).state())
+  with pytest.raises(ValueError, match="seed"):
+    it.restore(md.EpochIterator(_problems(6), batch_size=2, seed=1).state())
+  with pytest.raises(ValueError, match="lacks"):
+    it.restore({"epoch": 0})
+  with pytest.raises(ValueError, match="batch_size"):
+    md.EpochIterator(_problems(2), batch_size=3)
+  with pytest.raises(ValueError, match="duplicate uid"):
+    md.EpochIterator(_problems(2) + _problems(1), batch_size=1)
+
+
+# ---------------------------------------------------------------------------- SFT rows
+
+
+def _tool_conversation():
+  return [
+      {"role": "system", "content": "You are helpful."},
+      {"role": "user", "content": "What is 123*456?"},
+      {"role": "assistant", "content": "<reason>compute</reason>",
+       "tool_calls": [{"name": "python", "arguments": {"code": "print(123*456)"}}]},
+      {"role": "tool", "content": "56088"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"type": "function", "function": {"name": "python", "arguments": '{"code": "1"}'}}]},
+      {"role": "tool", "content": "1"},
+      {"role": "assistant", "content": "<answer>\\boxed{56088}</answer>"},
+  ]
+
+
+def test_sft_rows_load(tmp_path):
+  rows = [{"id": "c1", "messages": _tool_conversation(), "tools": [{"name": "python"}]},
+          {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                        {"role": "user", "content": "call"},
+                        {"role": "assistant", "content": '<tool_call>{"name": "python"}</tool_call>'},
+                        {"role": "tool", "content": "ok"},
+                        {"role": "assistant", "content": "done"}]}]
+  result = md.load_sft_examples(_write_jsonl(tmp_path / "sft.jsonl", rows))
+  first, second = result.items
+  assert first.uid == "c1" and first.meta["tools"] == [{"name": "python"}]
+  assert [m.role for m in first.messages] == ["system", "user", "assistant", "tool", "assistant",
+                                              "tool", "assistant"]
+  assert first.messages[2].tool_calls == (md.ToolCall("python", {"code": "print(123*456)"}),)
+  assert first.messages[4].content == "" and first.messages[4].tool_calls[0].arguments == {"code": "1"}
+  assert second.uid == "sft:2" and second.messages[-1].content == "done"
+  assert md.role_counts(result.items) == {"system": 1, "user": 3, "assistant": 6, "tool": 3}
+
+
+def _break(messages, index, **changes):
+  messages = [dict(m) for m in messages]
+  messages[index].update(changes)
+  return messages
+
+
+@pytest.mark.parametrize("messages, field, message", [
+    (_break(_tool_conversation(), 1, role="human"), "messages[1].role", "not one of"),
+    (_break(_tool_conversation(), 1, content=["parts"]), "messages[1].content", "must be a string"),
+    (_break(_tool_conversation(), 6, content=""), "messages[6].content", "empty assistant"),
+    (_break(_tool_conversation(), 1, role="system"), "messages[1].role", "only come first"),
+    (_break(_tool_conversation(), 3, role="assistant"), "messages[3].role", "no tool response"),
+    (_break(_tool_conversation(), 2, tool_calls=[{"name": "python", "arguments": "{bad"}]),
+     "messages[2].tool_calls[0].arguments", "not valid JSON"),
+    (_break(_tool_conversation(), 1, tool_calls=[]), "messages[1].tool_calls", "only assistant"),
+    (_break(_tool_conversation(), 1, weight=0), "messages[1]", "unknown key"),
+    ([{"role": "assistant", "content": "hi"}], "messages[0].role", "expected a user"),
+    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"},
+      {"role": "assistant", "content": "c"}], "messages[1].role", "without a pending tool call"),
+    (_tool_conversation()[:4], "messages[3]", "must end with an assistant"),
+    ([], "messages", "empty conversation"),
+    ("hello", "messages", "must be a list"),
+])
+def test_sft_malformed_rows(tmp_path, messages, field, message):
+  good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+  path = _write_jsonl(tmp_path / "sft.jsonl", [good, {"messages": messages}])
+  with pytest.raises(md.DataError) as info:
+    md.load_sft_examples(path)
+  assert (info.value.row_error.row, info.value.row_error.field) == (2, field)
+  assert message in str(info.value) and "sft.jsonl, line 2" in str(info.value)
+  skipped = md.load_sft_examples(path, on_error="skip")
+  assert (len(skipped.items), skipped.num_skipped) == (1, 1)
+
+
+def test_sft_missing_messages(tmp_path):
+  path = _write_jsonl(tmp_path / "s.jsonl", [{"conversation": []}])
+  with pytest.raises(md.DataError, match="field 'messages': missing"):
+    md.load_sft_examples(path)
