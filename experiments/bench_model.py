@@ -1,0 +1,102 @@
+r"""Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
+
+  python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
+
+Both sides compute the same thing: next-token cross-entropy of a random batch and
+its gradient w.r.t. every parameter, fp32, same architecture and weights (the torch
+model is loaded from the directory our model was exported to). Runs alternate
+between the two (A, B, A, B, ...) so machine noise hits both equally; the table
+reports medians and the ratio. Not a test: nothing here is asserted.
+"""
+import os
+import statistics
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_integer("layers", 4, "decoder layers")
+flags.DEFINE_integer("hidden", 256, "hidden size")
+flags.DEFINE_integer("heads", 8, "query heads (head_dim = hidden / heads)")
+flags.DEFINE_integer("kv_heads", 4, "KV heads")
+flags.DEFINE_integer("vocab", 8192, "vocabulary size")
+flags.DEFINE_integer("seq", 256, "sequence length")
+flags.DEFINE_integer("batch", 8, "batch size")
+flags.DEFINE_integer("repeats", 5, "timed repeats per side (after one warm-up)")
+flags.DEFINE_integer("threads", 0, "torch intra-op threads (0 = all cores)")
+FLAGS = flags.FLAGS
+
+
+def main(_):
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from rstar_jax.model import hf_io, qwen3
+  from rstar_jax.model.config import Qwen3Config
+
+  if FLAGS.threads:
+    torch.set_num_threads(FLAGS.threads)
+  cfg = Qwen3Config(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
+                    intermediate_size=3 * FLAGS.hidden, num_hidden_layers=FLAGS.layers,
+                    num_attention_heads=FLAGS.heads, num_key_value_heads=FLAGS.kv_heads,
+                    head_dim=FLAGS.hidden // FLAGS.heads)
+  model = qwen3.create_model(cfg, seed=0)
+  tmp = tempfile.mkdtemp()
+  hf_io.save_hf(model, tmp, dtype="float32")
+  tmodel = transformers.Qwen3ForCausalLM.from_pretrained(
+      tmp, dtype=torch.float32, attn_implementation="sdpa")
+  tmodel.train()
+
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(0, cfg.vocab_size, size=(FLAGS.batch, FLAGS.seq))
+  graphdef, state = nnx.split(model)
+
+  def loss_fn(state, tok):
+    m = nnx.merge(graphdef, state)
+    h, _ = m(tok)
+    return -m.token_logprobs(h[:, :-1], tok[:, 1:], chunk=FLAGS.seq).mean()
+
+  step = jax.jit(jax.value_and_grad(loss_fn))
+  jtok = jnp.asarray(tokens)
+  ttok = torch.tensor(tokens)
+
+  def run_jax():
+    loss, grads = step(state, jtok)
+    jax.block_until_ready(grads)
+    return float(loss)
+
+  def run_torch():
+    tmodel.zero_grad(set_to_none=True)
+    out = tmodel(ttok, labels=ttok)
+    out.loss.backward()
+    return float(out.loss)
+
+  t0 = time.perf_counter()
+  lj = run_jax()
+  compile_s = time.perf_counter() - t0
+  lt = run_torch()
+  times = {"jax": [], "torch": []}
+  for _ in range(FLAGS.repeats):
+    for name, fn in (("jax", run_jax), ("torch", run_torch)):
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  ntok = FLAGS.batch * FLAGS.seq
+  med = {k: statistics.median(v) for k, v in times.items()}
+  print(f"\nQwen3 fwd+bwd, {FLAGS.layers} layers, hidden {FLAGS.hidden}, heads "
+        f"{FLAGS.heads}/{FLAGS.kv_heads}, vocab {FLAGS.vocab}, batch {FLAGS.batch} x seq "
+        f"{FLAGS.seq}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+  print(f"losses agree: jax {lj:.5f} vs torch {lt:.5f}; jax compile+first step {compile_s:.1f}s")
+  print(f"{'impl':<22}{'median s/step':>14}{'min s/step':>12}{'tokens/s':>12}")
+  for name, label in (("jax", "rstar_jax (jax.jit)"), ("torch", "transformers (torch)")):
+    print(f"{label:<22}{med[name]:>14.4f}{min(times[name]):>12.4f}{ntok / med[name]:>12.0f}")
+  print(f"ratio jax/torch tokens/s: {med['torch'] / med['jax']:.2f}x")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,334 @@
+"""JaxEngine: the embedded generation engine (in-process, continuous batching).
+
+A fixed KV cache of `num_slots` sequences x `max_len` tokens. Each iteration of the
+engine loop
+  1. admits queued requests into free slots (one jitted prefill per request, its
+     length padded to a power-of-two bucket so few shapes compile), and
+  2. runs ONE jitted decode step for every active slot at once.
+A request that finishes (stop token, max_new_tokens, cache full) frees its slot at
+once, and the next queued request takes it at the next iteration: a trajectory that
+is waiting on a tool call holds no slot and delays no one.
+
+Prefix reuse: a freed slot remembers which token ids its cache holds. A new request
+whose input extends that content (the same trajectory resuming after a tool call)
+is placed there and prefills only the new tokens. If the slot was taken meanwhile,
+the request is prefilled from scratch elsewhere: correct either way.
+
+Parameters are read in place: `update_params(state)` swaps the reference the next
+step uses (the trainer's arrays, no copy, no export).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rstar_jax.model.qwen3 import Qwen3
+from rstar_jax.rollout import sampling
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  num_slots: int = 8
+  max_len: int = 1024          # KV cache length per slot: prompt + everything generated
+  min_prefill_bucket: int = 16
+  reuse_prefix: bool = True
+  cache_dtype: str | None = None  # default: the model's compute dtype
+
+  def __post_init__(self):
+    if self.num_slots <= 0 or self.max_len <= 1 or self.min_prefill_bucket <= 0:
+      raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
+                       f"positive (got {self.num_slots}, {self.max_len}, "
+                       f"{self.min_prefill_bucket})")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationRequest:
+  input_ids: Sequence[int]
+  max_new_tokens: int
+  stop_token_ids: Sequence[int] = ()
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+  request_id: str | None = None
+
+  def validate(self, max_len: int) -> None:
+    if len(self.input_ids) == 0:
+      raise ValueError(f"request {self.request_id}: empty input_ids")
+    if len(self.input_ids) >= max_len:
+      raise ValueError(f"request {self.request_id}: {len(self.input_ids)} input tokens do "
+                       f"not fit the engine's max_len={max_len}")
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"request {self.request_id}: max_new_tokens must be positive")
+    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or self.top_k < 0:
+      raise ValueError(f"request {self.request_id}: bad sampling params "
+                       f"(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  request_id: str | None
+  output_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str           # "stop" (a stop token, included in output_ids) | "length"
+  prompt_tokens: int
+  reused_prefix_tokens: int
+  queue_wait_s: float
+
+
+@dataclasses.dataclass
+class _Slot:
+  request: GenerationRequest | None = None
+  future: concurrent.futures.Future | None = None
+  cached: list[int] = dataclasses.field(default_factory=list)  # ids whose k/v are cached
+  next_token: int = 0          # sampled, not yet in the cache
+  out_ids: list[int] = dataclasses.field(default_factory=list)
+  out_logps: list[float] = dataclasses.field(default_factory=list)
+  reused: int = 0
+  wait_s: float = 0.0
+  released_at: float = 0.0
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill(graphdef, state, cache, slot, tokens, positions, last, seed, temp, top_p, top_k):
+  model = nnx.merge(graphdef, state)
+  slot_cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), cache)
+  hidden, slot_cache = model(tokens, positions, cache=slot_cache)
+  h_last = jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1)
+  logits = model.logits(h_last)[:, 0]
+  tok, logp = sampling.sample(logits, seed[None], jnp.zeros((1,), jnp.int32), temp[None],
+                              top_p[None], top_k[None])
+  cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=1),
+                       cache, slot_cache)
+  return cache, tok[0], logp[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k):
+  model = nnx.merge(graphdef, state)
+  hidden, cache = model(tokens[:, None], positions[:, None], cache=cache)
+  logits = model.logits(hidden)[:, 0]
+  tok, logp = sampling.sample(logits, seeds, indices, temps, top_p, top_k)
+  return cache, tok, logp
+
+
+class JaxEngine:
+  """Continuous-batching generation over a Qwen3 held in this process."""
+
+  def __init__(self, model: Qwen3, config: EngineConfig, name: str = "jax0"):
+    self.config = config
+    self.name = name
+    self.graphdef, self.state = nnx.split(model)
+    self.model_cfg = model.cfg
+    dtype = config.cache_dtype or model.cfg.dtype
+    self.cache = model.init_cache(config.num_slots, config.max_len, dtype)
+    self.slots = [_Slot() for _ in range(config.num_slots)]
+    self.queue: collections.deque = collections.deque()
+    self._lock = threading.Condition()
+    self._thread: threading.Thread | None = None
+    self._stop = False
+    self.metrics = collections.Counter()
+    self._t_start = time.perf_counter()
+
+  # ---- Public API ------------------------------------------------------------
+  def update_params(self, state) -> None:
+    """Uses `state` (an nnx State of the same graph) from the next step on."""
+    with self._lock:
+      self.state = state
+      # Cached k/v were computed with the old weights: never reuse them.
+      for s in self.slots:
+        if s.request is None:
+          s.cached = []
+
+  def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+    request.validate(self.config.max_len)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    with self._lock:
+      self.queue.append((request, fut, time.perf_counter()))
+      self._lock.notify()
+    return fut
+
+  async def generate(self, request: GenerationRequest) -> GenerationResult:
+    import asyncio
+    self.start()
+    return await asyncio.wrap_future(self.submit(request))
+
+  def generate_sync(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Runs the loop in this thread until all `requests` are done (tests, notebooks)."""
+    futs = [self.submit(r) for r in requests]
+    while not all(f.done() for f in futs):
+      self.step()
+    return [f.result() for f in futs]
+
+  def start(self) -> None:
+    if self._thread is None or not self._thread.is_alive():
+      self._stop = False
+      self._thread = threading.Thread(target=self._loop, name=f"{self.name}-loop", daemon=True)
+      self._thread.start()
+
+  def stop(self) -> None:
+    with self._lock:
+      self._stop = True
+      self._lock.notify()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def free_kv_tokens(self) -> int:
+    """KV capacity in tokens not promised to running or queued requests."""
+    with self._lock:
+      cap = self.config.max_len
+      free = sum(cap if s.request is None else cap - len(s.cached) - 1 for s in self.slots)
+      queued = sum(min(cap, len(r.input_ids) + r.max_new_tokens) for r, _, _ in self.queue)
+      return free - queued
+
+  def num_active(self) -> int:
+    return sum(s.request is not None for s in self.slots)
+
+  def stats(self) -> dict[str, float]:
+    m = dict(self.metrics)
+    elapsed = time.perf_counter() - self._t_start
+    m["elapsed_s"] = elapsed
+    steps = max(m.get("decode_steps", 0), 1)
+    m["slot_utilisation"] = m.get("active_slot_steps", 0) / (steps * self.config.num_slots)
+    m["busy_fraction"] = m.get("busy_s", 0.0) / max(elapsed, 1e-9)
+    return m
+
+  # ---- Engine loop -----------------------------------------------------------
+  def _loop(self):
+    while True:
+      with self._lock:
+        while not self._stop and not self.queue and self.num_active() == 0:
+          self._lock.wait()
+        if self._stop:
+          return
+      try:
+        self.step()
+      except Exception as e:  # never strand waiters: fail every pending future loudly
+        with self._lock:
+          for s in self.slots:
+            if s.future is not None and not s.future.done():
+              s.future.set_exception(e)
+            s.request, s.future, s.cached = None, None, []
+          while self.queue:
+            _, fut, _ = self.queue.popleft()
+            fut.set_exception(e)
+        raise
+
+  def step(self) -> None:
+    t0 = time.perf_counter()
+    self._admit()
+    if self.num_active():
+      self._decode_step()
+    self.metrics["busy_s"] += time.perf_counter() - t0
+
+  def _pick_slot(self, ids: Sequence[int]) -> tuple[int, int] | None:
+    free = [i for i, s in enumerate(self.slots) if s.request is None]
+    if not free:
+      return None
+    best, best_len = None, -1
+    if self.config.reuse_prefix:
+      for i in free:
+        c = self.slots[i].cached
+        if c and len(c) < len(ids) and list(ids[:len(c)]) == c and len(c) > best_len:
+          best, best_len = i, len(c)
+    if best is None:  # least recently released, so recent slots keep their prefix longer
+      best = min(free, key=lambda i: self.slots[i].released_at)
+      best_len = 0
+    return best, best_len
+
+  def _admit(self) -> None:
+    while True:
+      with self._lock:
+        if not self.queue:
+          return
+        pick = self._pick_slot(self.queue[0][0].input_ids)
+        if pick is None:
+          return
+        req, fut, t_sub = self.queue.popleft()
+      slot_idx, reuse = pick
+      self._prefill_into(slot_idx, req, fut, reuse, time.perf_counter() - t_sub)
+
+  def _prefill_into(self, i, req, fut, reuse, wait_s):
+    ids = list(req.input_ids)
+    new = ids[reuse:]
+    bucket = max(self.config.min_prefill_bucket, 1 << (len(new) - 1).bit_length())
+    bucket = min(bucket, self.config.max_len)
+    if len(new) > bucket:  # cannot happen: validate() bounds input by max_len
+      raise AssertionError((len(new), bucket))
+    toks = np.zeros((1, bucket), np.int32)
+    toks[0, :len(new)] = new
+    pos = (reuse + np.arange(bucket, dtype=np.int32))[None]
+    self.cache, tok, logp = _prefill(
+        self.graphdef, self.state, self.cache, jnp.int32(i), jnp.asarray(toks),
+        jnp.asarray(pos), jnp.int32(len(new) - 1), jnp.int32(req.seed),
+        jnp.float32(req.temperature), jnp.float32(req.top_p), jnp.int32(req.top_k))
+    s = self.slots[i]
+    s.request, s.future, s.cached = req, fut, ids
+    s.out_ids, s.out_logps, s.reused, s.wait_s = [], [], reuse, wait_s
+    self.metrics["prefill_tokens"] += len(new)
+    self.metrics["reused_prefix_tokens"] += reuse
+    self.metrics["requests"] += 1
+    self._accept(i, int(tok), float(logp))
+
+  def _accept(self, i: int, tok: int, logp: float) -> None:
+    s = self.slots[i]
+    req = s.request
+    s.out_ids.append(tok)
+    s.out_logps.append(logp)
+    s.next_token = tok
+    self.metrics["generated_tokens"] += 1
+    reason = None
+    if tok in req.stop_token_ids:
+      reason = "stop"
+    elif len(s.out_ids) >= req.max_new_tokens or len(s.cached) >= self.config.max_len:
+      reason = "length"
+    if reason is None:
+      return
+    result = GenerationResult(
+        request_id=req.request_id, output_ids=s.out_ids, logprobs=s.out_logps,
+        finish_reason=reason, prompt_tokens=len(req.input_ids), reused_prefix_tokens=s.reused,
+        queue_wait_s=s.wait_s)
+    fut = s.future
+    with self._lock:
+      s.request, s.future = None, None
+      s.released_at = time.perf_counter()
+    fut.set_result(result)
+
+  def _decode_step(self) -> None:
+    n = self.config.num_slots
+    toks = np.zeros(n, np.int32)
+    pos = np.full(n, self.config.max_len, np.int32)  # idle slots write nowhere
+    seeds = np.zeros(n, np.int32)
+    idx = np.zeros(n, np.int32)
+    temps = np.ones(n, np.float32)
+    top_p = np.ones(n, np.float32)
+    top_k = np.zeros(n, np.int32)
+    active = []
+    for i, s in enumerate(self.slots):
+      if s.request is None:
+        continue
+      active.append(i)
+      toks[i], pos[i] = s.next_token, len(s.cached)
+      seeds[i], idx[i] = s.request.seed, len(s.out_ids)
+      temps[i], top_p[i], top_k[i] = s.request.temperature, s.request.top_p, s.request.top_k
+    self.cache, out_tok, out_logp = _decode(
+        self.graphdef, self.state, self.cache, jnp.asarray(toks), jnp.asarray(pos),
+        jnp.asarray(seeds), jnp.asarray(idx), jnp.asarray(temps), jnp.asarray(top_p),
+        jnp.asarray(top_k))
+    out_tok, out_logp = np.asarray(out_tok), np.asarray(out_logp)
+    self.metrics["decode_steps"] += 1
+    self.metrics["active_slot_steps"] += len(active)
+    for i in active:
+      self.slots[i].cached.append(int(toks[i]))
+      self._accept(i, int(out_tok[i]), float(out_logp[i]))
