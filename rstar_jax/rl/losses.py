@@ -1,0 +1,334 @@
+"""Clip-higher PPO objective of GRPO-RoC (SPEC.md section 3): pure, jit-able jax.numpy.
+
+Per token (to MINIMISE; rho = exp(logp_new - logp_old), A the advantage):
+  l = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
+  dual clip (optional, verl's, c > 1): where A < 0, l = min(l, -A * c)
+  + kl_coef * KL(new || ref) per token (optional, ablations; off by default)
+
+Micro-batch invariance. A loss is an aggregate over the WHOLE batch; a caller that splits
+the batch into micro-batches (gradient accumulation) computes a `LossNormalizer` once from
+the full batch's loss mask (`LossNormalizer.from_mask(full_mask)`) and passes it to every
+micro-batch call. Every aggregation is then a sum over sequences divided by a full-batch
+constant, so the micro-batch losses, their gradients, and every metric not listed in
+`MAX_REDUCED_METRICS` SUM exactly to the full-batch values (`accumulate_metrics` does the
+sum / max). Without a normaliser the call's own mask is used (the batch is the full batch).
+
+Aggregations (registry `AGGREGATIONS`, picked by `LossConfig.aggregation`):
+  token-mean:              sum_{i,t} l_it / (mask tokens in the full batch)      (SPEC.md)
+  seq-mean-token-mean:     sum_i mean_t l_it / (sequences in the full batch)
+  seq-mean-token-sum-norm: sum_{i,t} l_it / (max_response_len * sequences)   (Dr. GRPO)
+A "sequence" is a row with at least one mask token, so all-padding rows (added to even out
+micro-batches) change nothing. verl's seq-mean-token-sum-norm divides by T only; the extra
+1 / sequences here is a constant that keeps the scale comparable with the other modes.
+
+Metrics (token averages over the mask of the full batch):
+  pg_loss, kl_loss: the two terms of the loss, in the chosen aggregation;
+  clip_frac_high: A > 0 and rho > 1 + eps_high (the clip zeroes the gradient);
+  clip_frac_low:  A < 0 and rho < 1 - eps_low;
+  dual_clip_frac: A < 0 and rho > c (0 without dual clip);
+  approx_kl: KL(old || new) by Schulman's k3 estimator, mean of rho - 1 - log rho (samples
+    come from the old policy; unbiased and >= 0); ppo_kl: k1, mean of log(old / new) (what
+    verl logs as ppo_kl); ratio_mean: mean rho; entropy: mean of the given per-token entropy.
+`logprob_diff_metrics` gives the sampler-vs-trainer log-prob gap (mean abs, max abs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "LossConfig",
+    "LossNormalizer",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "MAX_REDUCED_METRICS",
+    "register_aggregation",
+    "get_aggregation",
+    "aggregate",
+    "kl_penalty",
+    "ppo_loss",
+    "logprob_diff_metrics",
+    "accumulate_metrics",
+]
+
+Array = jax.Array
+
+# Metrics that combine across micro-batches by max; every other one by sum.
+MAX_REDUCED_METRICS = frozenset({"logp_diff_max_abs"})
+
+
+class LossNormalizer(NamedTuple):
+  """Full-batch denominators (a pytree: pass it through jit like any array).
+
+  Attributes:
+    num_tokens: loss-mask tokens in the full batch.
+    num_seqs: rows of the full batch with at least one loss-mask token.
+  """
+  num_tokens: Array
+  num_seqs: Array
+
+  @classmethod
+  def from_mask(cls, mask: Array) -> "LossNormalizer":
+    """From the loss mask [B, T] of the FULL batch (all micro-batches)."""
+    m = jnp.asarray(mask, jnp.float32)
+    if m.ndim != 2:
+      raise ValueError(f"loss mask must be [batch, time], got shape {m.shape}")
+    return cls(num_tokens=m.sum(), num_seqs=(m.sum(-1) > 0).sum().astype(jnp.float32))
+
+  @classmethod
+  def from_masks(cls, masks) -> "LossNormalizer":
+    """From the masks of all micro-batches (their time lengths may differ)."""
+    parts = [cls.from_mask(m) for m in masks]
+    return cls(num_tokens=sum(p.num_tokens for p in parts),
+               num_seqs=sum(p.num_seqs for p in parts))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """Attributes:
+    eps_low, eps_high: the asymmetric ("clip-higher") PPO range, 1 - eps_low .. 1 + eps_high.
+    dual_clip_c: None (report) or c > 1, e.g. 3 (release / verl), bound on negative-A tokens.
+    aggregation: a registered aggregation (see the module docstring).
+    max_response_len: the constant of seq-mean-token-sum-norm (required for it).
+    kl_coef: weight of KL(new || ref); 0 (default, SPEC.md) means no reference needed.
+    kl_estimator: "k1", "k2" or "k3" (k3 clamped to [-10, 10] as verl's low_var_kl).
+    log_ratio_clamp: |log rho| is clamped here before exp, as verl does, so one wild token
+      cannot overflow.
+  """
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip_c: float | None = None
+  aggregation: str = "token-mean"
+  max_response_len: int | None = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  log_ratio_clamp: float = 20.0
+
+  def __post_init__(self):
+    if not 0 <= self.eps_low < 1:
+      raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
+    if not (self.eps_high >= 0 and math.isfinite(self.eps_high)):
+      raise ValueError(f"LossConfig.eps_high must be finite and >= 0, got {self.eps_high}")
+    if self.dual_clip_c is not None and not (self.dual_clip_c > 1 and
+                                             math.isfinite(self.dual_clip_c)):
+      raise ValueError(f"LossConfig.dual_clip_c must be None or > 1, got {self.dual_clip_c}")
+    get_aggregation(self.aggregation)
+    if self.aggregation == "seq-mean-token-sum-norm" and not (
+        isinstance(self.max_response_len, int) and self.max_response_len > 0):
+      raise ValueError("LossConfig.max_response_len must be a positive int for "
+                       f"seq-mean-token-sum-norm, got {self.max_response_len!r}")
+    if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
+      raise ValueError(f"LossConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"LossConfig.kl_estimator: unknown {self.kl_estimator!r}; known: "
+                       f"{sorted(KL_ESTIMATORS)}")
+    if not self.log_ratio_clamp > 0:
+      raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+
+
+# --- aggregations -------------------------------------------------------------------------
+
+Aggregation = Callable[[Array, Array, LossNormalizer, LossConfig], Array]
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
+  def deco(fn: Aggregation) -> Aggregation:
+    if name in AGGREGATIONS:
+      raise ValueError(f"loss aggregation {name!r} is already registered")
+    AGGREGATIONS[name] = fn
+    return fn
+  return deco
+
+
+def get_aggregation(name: str) -> Aggregation:
+  try:
+    return AGGREGATIONS[name]
+  except KeyError:
+    raise ValueError(f"unknown loss aggregation {name!r}; known: "
+                     f"{sorted(AGGREGATIONS)}") from None
+
+
+@register_aggregation("token-mean")
+def _token_mean(values, mask, norm, config):
+  del config
+  return (values * mask).sum() / jnp.maximum(norm.num_tokens, 1.0)
+
+
+@register_aggregation("seq-mean-token-mean")
+def _seq_mean_token_mean(values, mask, norm, config):
+  del config
+  per_seq = (values * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+  return per_seq.sum() / jnp.maximum(norm.num_seqs, 1.0)
+
+
+@register_aggregation("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(values, mask, norm, config):
+  return (values * mask).sum() / (config.max_response_len * jnp.maximum(norm.num_seqs, 1.0))
+
+
+def aggregate(values: Array, mask: Array, normalizer: LossNormalizer,
+              config: LossConfig) -> Array:
+  """This micro-batch's share of the full-batch aggregate of per-token `values`."""
+  return get_aggregation(config.aggregation)(values, mask, normalizer, config)
+
+
+# --- KL to a reference ----------------------------------------------------------------------
+
+def _k1(logp, ref_logp):
+  return logp - ref_logp
+
+
+def _k2(logp, ref_logp):
+  return 0.5 * jnp.square(logp - ref_logp)
+
+
+def _k3(logp, ref_logp):
+  d = ref_logp - logp
+  return jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_penalty(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:
+  """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1 / k2 / k3)."""
+  try:
+    fn = KL_ESTIMATORS[estimator]
+  except KeyError:
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: "
+                     f"{sorted(KL_ESTIMATORS)}") from None
+  return fn(logp, ref_logp)
+
+
+# --- the loss -------------------------------------------------------------------------------
+
+def _check_shape(name: str, x: Array, shape: tuple[int, ...]) -> None:
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
+                     "(like new_logp)")
+
+
+def _token_mean_metric(values: Array, mask: Array, norm: LossNormalizer) -> Array:
+  return (values * mask).sum() / jnp.maximum(norm.num_tokens, 1.0)
+
+
+def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+             config: LossConfig = LossConfig(), normalizer: LossNormalizer | None = None,
+             ref_logp: Array | None = None, entropy: Array | None = None
+             ) -> tuple[Array, dict[str, Array]]:
+  """Clip-higher PPO loss of a (micro-)batch and its metrics.
+
+  Args:
+    new_logp: [B, T] log-probs of the sampled tokens under the policy being trained.
+    old_logp: [B, T] log-probs under the policy that sampled (or recomputed), no gradient.
+    advantages: [B] per sequence or [B, T] per token.
+    mask: [B, T] loss mask (1 on model-written response tokens; 0 on prompt, tool output,
+      padding).
+    config: see `LossConfig` (static under jit: close over it).
+    normalizer: the FULL batch's `LossNormalizer` when this is one micro-batch of it.
+    ref_logp: [B, T] reference log-probs, required when `config.kl_coef > 0`.
+    entropy: optional [B, T] per-token entropy, only reported.
+
+  Returns:
+    (loss, metrics): scalars; summed over micro-batches (metrics in `MAX_REDUCED_METRICS`
+    by max) they equal the full-batch values.
+  """
+  new_logp = jnp.asarray(new_logp)
+  if new_logp.ndim != 2:
+    raise ValueError(f"new_logp must be [batch, time], got shape {new_logp.shape}")
+  shape = new_logp.shape
+  _check_shape("old_logp", old_logp, shape)
+  _check_shape("mask", mask, shape)
+  advantages = jnp.asarray(advantages, jnp.float32)
+  if advantages.ndim == 1:
+    _check_shape("advantages", advantages, shape[:1])
+    advantages = advantages[:, None]
+  else:
+    _check_shape("advantages", advantages, shape)
+  m = jnp.asarray(mask, jnp.float32)
+  if normalizer is None:
+    normalizer = LossNormalizer.from_mask(m)
+
+  new_f = new_logp.astype(jnp.float32)
+  old_f = jax.lax.stop_gradient(jnp.asarray(old_logp, jnp.float32))
+  log_ratio = jnp.clip(new_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
+  ratio = jnp.exp(log_ratio)
+  lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
+  pg_unclipped = -advantages * ratio
+  pg_clipped = -advantages * jnp.clip(ratio, lo, hi)
+  per_token = jnp.maximum(pg_unclipped, pg_clipped)
+  neg_adv = advantages < 0
+  if config.dual_clip_c is not None:
+    per_token = jnp.where(neg_adv, jnp.minimum(per_token, -advantages * config.dual_clip_c),
+                          per_token)
+    dual = neg_adv & (ratio > config.dual_clip_c)
+  else:
+    dual = jnp.zeros(shape, bool)
+
+  pg_loss = aggregate(per_token, m, normalizer, config)
+  loss = pg_loss
+  metrics = {"pg_loss": pg_loss}
+  if config.kl_coef > 0:
+    if ref_logp is None:
+      raise ValueError("ref_logp is required when LossConfig.kl_coef > 0")
+    _check_shape("ref_logp", ref_logp, shape)
+    kl = kl_penalty(new_f, jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32)),
+                    config.kl_estimator)
+    kl_loss = aggregate(kl, m, normalizer, config)
+    loss = loss + config.kl_coef * kl_loss
+    metrics["kl_loss"] = kl_loss
+
+  def tm(x):
+    return _token_mean_metric(jax.lax.stop_gradient(x).astype(jnp.float32), m, normalizer)
+
+  metrics.update(
+      clip_frac_high=tm((advantages > 0) & (ratio > hi)),
+      clip_frac_low=tm(neg_adv & (ratio < lo)),
+      dual_clip_frac=tm(dual),
+      approx_kl=tm(ratio - 1.0 - log_ratio),
+      ppo_kl=tm(-log_ratio),
+      ratio_mean=tm(ratio),
+  )
+  if entropy is not None:
+    _check_shape("entropy", entropy, shape)
+    metrics["entropy"] = tm(jnp.asarray(entropy))
+  return loss, metrics
+
+
+def logprob_diff_metrics(trainer_logp: Array, sampler_logp: Array, mask: Array,
+                         normalizer: LossNormalizer | None = None) -> dict[str, Array]:
+  """Sampler-vs-trainer log-prob gap over the mask (SPEC.md section 8).
+
+  Returns logp_diff_mean_abs (token mean over the full batch, sums over micro-batches) and
+  logp_diff_max_abs (combine micro-batches by max).
+  """
+  trainer_logp = jnp.asarray(trainer_logp, jnp.float32)
+  if trainer_logp.ndim != 2:
+    raise ValueError(f"trainer_logp must be [batch, time], got shape {trainer_logp.shape}")
+  _check_shape("sampler_logp", sampler_logp, trainer_logp.shape)
+  _check_shape("mask", mask, trainer_logp.shape)
+  m = jnp.asarray(mask, jnp.float32)
+  if normalizer is None:
+    normalizer = LossNormalizer.from_mask(m)
+  diff = jax.lax.stop_gradient(jnp.abs(trainer_logp - jnp.asarray(sampler_logp, jnp.float32)))
+  return {
+      "logp_diff_mean_abs": _token_mean_metric(diff, m, normalizer),
+      "logp_diff_max_abs": jnp.max(jnp.where(m > 0, diff, 0.0), initial=0.0),
+  }
+
+
+def accumulate_metrics(acc: Mapping[str, Array] | None, new: Mapping[str, Array]
+                       ) -> dict[str, Array]:
+  """Combines one micro-batch's metrics into the running total (sum; max for some keys)."""
+  if acc is None:
+    return dict(new)
+  if set(acc) != set(new):
+    raise ValueError(f"metric keys differ between micro-batches: {sorted(acc)} vs "
+                     f"{sorted(new)}")
+  return {k: (jnp.maximum(acc[k], v) if k in MAX_REDUCED_METRICS else acc[k] + v)
+          for k, v in new.items()}
