@@ -1,0 +1,63 @@
+"""Optimizers: AdamW with gradient clipping and a warm-up schedule (optax)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("warmup_constant", "warmup_cosine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  """Defaults are the report's RL settings (SPEC.md section 3)."""
+  learning_rate: float = 1e-6
+  warmup_steps: int = 20
+  schedule: str = "warmup_constant"
+  total_steps: int | None = None   # required by warmup_cosine
+  min_lr_ratio: float = 0.0        # cosine floor, as a fraction of learning_rate
+  weight_decay: float = 0.01
+  grad_clip_norm: float | None = 1.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; choose from {SCHEDULES}")
+    if self.schedule == "warmup_cosine" and not (self.total_steps and
+                                                 self.total_steps > self.warmup_steps):
+      raise ValueError("OptimizerConfig.total_steps must exceed warmup_steps for "
+                       f"warmup_cosine (got {self.total_steps}, warm-up {self.warmup_steps})")
+    if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
+      raise ValueError(f"OptimizerConfig.grad_clip_norm must be > 0 or None")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1]")
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  # Linear warm-up from 0 (step 0 gets lr/warmup, not 0, so no step is wasted).
+  warm = max(cfg.warmup_steps, 0)
+  if cfg.schedule == "warmup_constant":
+    if warm == 0:
+      return optax.constant_schedule(cfg.learning_rate)
+    return lambda step: cfg.learning_rate * jnp.minimum((step + 1) / warm, 1.0)
+  cosine = optax.cosine_decay_schedule(cfg.learning_rate, cfg.total_steps - warm,
+                                       alpha=cfg.min_lr_ratio)
+  if warm == 0:
+    return cosine
+  return optax.join_schedules([lambda s: cfg.learning_rate * (s + 1) / warm, cosine], [warm])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  parts = []
+  if cfg.grad_clip_norm is not None:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
+  parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)

@@ -1,0 +1,124 @@
+"""The jitted GRPO train step: micro-batch invariance, sharding, batching alignment."""
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rstar_jax import optim
+from rstar_jax.model import qwen3, sharding
+from rstar_jax.model.config import Qwen3Config
+from rstar_jax.rl import batching, losses, train_step as ts
+
+CFG = Qwen3Config(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  initializer_range=0.3)
+
+
+def _trajs(n, seed=0):
+  rng = np.random.RandomState(seed)
+  out = []
+  for _ in range(n):
+    p = rng.randint(0, 67, size=rng.randint(3, 8)).tolist()
+    r = rng.randint(0, 67, size=rng.randint(2, 20)).tolist()
+    mask = (rng.rand(len(r)) > 0.3).astype(int).tolist()   # some "tool" tokens
+    lps = (-rng.rand(len(r)) * 3 * np.asarray(mask)).tolist()
+    out.append(batching.TokenTrajectory(prompt_ids=p, response_ids=r, response_mask=mask,
+                                        response_logprobs=lps))
+  return out
+
+
+def _batch(n=8, seed=0):
+  trajs = _trajs(n, seed)
+  adv = np.random.RandomState(seed + 1).randn(n).astype(np.float32)
+  return batching.build_batch(trajs, adv, length_multiple=8)
+
+
+def _run(micro, tx, mesh=None, batch=None, loss_cfg=losses.LossConfig()):
+  model = qwen3.create_model(CFG, seed=3)
+  graphdef, state, shard = ts.init_train_state(model, tx, mesh)
+  step = ts.make_train_step(graphdef, tx, loss_cfg, ts.StepConfig(micro_batches=micro,
+                                                                  logprob_chunk=8),
+                            mesh=mesh, state_shardings=shard, donate=False)
+  new_state, metrics = step(state, batch if batch is not None else _batch())
+  return state, new_state, jax.device_get(metrics)
+
+
+def _flat(params):
+  return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_do_not_change_loss_or_gradient(aggregation):
+  cfg = losses.LossConfig(aggregation=aggregation)
+  tx = optax.sgd(1.0)   # the update IS the gradient, so params compare gradients exactly
+  batch = _batch()
+  # Make old != new so the clip is active on some tokens.
+  batch["old_logp"] = batch["sampler_logp"] + np.random.RandomState(2).randn(
+      *batch["old_logp"].shape).astype(np.float32) * 0.3 * batch["loss_mask"]
+  _, one, m1 = _run(1, tx, batch=batch, loss_cfg=cfg)
+  _, four, m4 = _run(4, tx, batch=batch, loss_cfg=cfg)
+  np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
+  for k in ("clip_frac_high", "clip_frac_low", "entropy", "logp_diff_mean_abs"):
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m1["clip_frac_high"] + m1["clip_frac_low"] > 0
+  a, b = _flat(one.params), _flat(four.params)
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], atol=1e-6, err_msg=k)
+
+
+def test_loss_matches_direct_ppo_on_model_logprobs():
+  tx = optax.sgd(0.0)
+  batch = _batch(seed=5)
+  state, _, metrics = _run(2, tx, batch=batch)
+  model = qwen3.create_model(CFG, seed=3)
+  graphdef, params = nnx.split(model, nnx.Param)
+  lp = ts.sequence_logprobs(graphdef, params, jnp.asarray(batch["input_ids"]),
+                            jnp.asarray(batch["target_ids"]),
+                            jnp.asarray(batch["attention_mask"]), chunk=8)
+  want, _ = losses.ppo_loss(lp, batch["old_logp"], batch["advantages"], batch["loss_mask"])
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+
+
+def test_sharded_step_equals_unsharded():
+  tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0,
+                                                  eps=1e-3))
+  batch = _batch(n=8, seed=7)
+  _, ref, m_ref = _run(2, tx, batch=batch)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  _, got, m_got = _run(2, tx, mesh=mesh, batch=batch)
+  q = got.params["layers"]["q_proj"].get_value()
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  mu = got.opt_state[1][0].mu["layers"]["q_proj"].get_value()
+  assert mu.sharding.spec == q.sharding.spec, "Adam moments must follow their params"
+  for k in ("loss", "grad_norm", "entropy", "clip_frac_high"):
+    np.testing.assert_allclose(m_got[k], m_ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  a, b = _flat(ref.params), _flat(got.params)
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], atol=1e-6, err_msg=k)
+
+
+def test_build_batch_aligns_targets_masks_and_logprobs():
+  t = batching.TokenTrajectory(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7],
+                               response_mask=[1, 0, 0, 1], response_logprobs=[-1, 0, 0, -2])
+  b = batching.build_batch([t], [0.5], row_multiple=2, length_multiple=8)
+  assert b["input_ids"].shape == (2, 8)
+  np.testing.assert_array_equal(b["input_ids"][0, :6], [1, 2, 3, 4, 5, 6])
+  np.testing.assert_array_equal(b["target_ids"][0, :6], [2, 3, 4, 5, 6, 7])
+  # Target 4 (index 2) and 7 (index 5) are the model's tokens.
+  np.testing.assert_array_equal(b["loss_mask"][0, :6], [0, 0, 1, 0, 0, 1])
+  np.testing.assert_array_equal(b["sampler_logp"][0, :6], [0, 0, -1, 0, 0, -2])
+  assert b["loss_mask"][1].sum() == 0 and b["advantages"][1] == 0   # padding row
+  with pytest.raises(ValueError, match="equal lengths"):
+    batching.TokenTrajectory(prompt_ids=[1], response_ids=[2], response_mask=[1, 1],
+                             response_logprobs=[0])
+
+
+def test_warmup_constant_schedule():
+  sched = optim.make_schedule(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=20))
+  assert np.isclose(sched(0), 1e-6 / 20) and np.isclose(sched(19), 1e-6)
+  assert np.isclose(sched(500), 1e-6)
+  with pytest.raises(ValueError, match="total_steps"):
+    optim.OptimizerConfig(schedule="warmup_cosine")
