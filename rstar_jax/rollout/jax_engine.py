@@ -291,7 +291,7 @@ class JaxEngine:
     reason = None
     if tok in req.stop_token_ids:
       reason = "stop"
-    elif len(s.out_ids) >= req.max_new_tokens or len(s.cached) >= self.config.max_len:
+    elif len(s.out_ids) >= req.max_new_tokens or len(s.cached) + 1 >= self.config.max_len:
       reason = "length"
     if reason is None:
       return

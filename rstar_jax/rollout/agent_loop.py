@@ -1,0 +1,176 @@
+"""The multi-turn agent loop, token-in / token-out.
+
+Per trajectory we keep the prompt ids and, after it, every response id with a loss
+mask (1 = sampled by the model, with the sampler's log-prob; 0 = tool output and
+template tokens we inserted). Earlier turns are never re-tokenized from text: the
+next request's input is exactly prompt + all response ids so far (SPEC.md section 8).
+
+Stops:
+  * the model ends a turn without a tool call ("stop"),
+  * `max_turns` assistant turns were used and it still wants a tool ("max_turns"),
+  * the response budget (model + tool tokens) runs out ("length"). A tool turn that
+    would not fit is dropped, so the last turn is always the model's.
+"max_turns" and "length" trajectories are marked truncated (reward 0, SPEC.md sec. 3).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Any, Mapping, Protocol, Sequence
+
+from rstar_jax.rl import batching
+from rstar_jax.rl import roc
+from rstar_jax.rollout import chat
+from rstar_jax.rollout.jax_engine import GenerationRequest, GenerationResult
+
+
+class Engine(Protocol):
+  async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+
+class ToolExecutor(Protocol):
+  async def execute(self, calls: Sequence[chat.ToolCall]) -> list[Mapping[str, Any]]:
+    """One sandbox result mapping (status, stdout, stderr, ...) per call, in order."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+  max_turns: int = 10
+  max_response_tokens: int = 8192
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    if self.max_turns <= 0 or self.max_response_tokens <= 0:
+      raise ValueError(f"AgentConfig: max_turns and max_response_tokens must be positive "
+                       f"(got {self.max_turns}, {self.max_response_tokens})")
+    if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+      raise ValueError("AgentConfig: bad sampling parameters")
+
+
+@dataclasses.dataclass
+class Trajectory:
+  uid: str
+  prompt_ids: list[int]
+  response_ids: list[int] = dataclasses.field(default_factory=list)
+  response_mask: list[int] = dataclasses.field(default_factory=list)
+  response_logprobs: list[float] = dataclasses.field(default_factory=list)
+  turns: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # model spans
+  num_tool_calls: int = 0
+  num_tool_errors: int = 0
+  tool_statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  finish_reason: str = ""
+  generate_s: float = 0.0
+  tool_s: float = 0.0
+  answer_tags: int = 0
+  reward: float | None = None
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def truncated(self) -> bool:
+    return self.finish_reason in ("length", "max_turns")
+
+  @property
+  def num_turns(self) -> int:
+    return len(self.turns)
+
+  @property
+  def model_tokens(self) -> int:
+    return int(sum(self.response_mask))
+
+  def model_text(self, tokenizer) -> str:
+    """What the model wrote, turn by turn (tool outputs excluded): rewards read this."""
+    return "\n".join(tokenizer.decode(self.response_ids[a:b]) for a, b in self.turns)
+
+  def token_trajectory(self) -> batching.TokenTrajectory:
+    return batching.TokenTrajectory(prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+                                    response_mask=self.response_mask,
+                                    response_logprobs=self.response_logprobs)
+
+  def rollout_stats(self) -> roc.RolloutStats:
+    if self.reward is None:
+      raise ValueError(f"trajectory {self.uid}: reward not set")
+    return roc.RolloutStats(reward=self.reward, num_tool_calls=self.num_tool_calls,
+                            num_tool_errors=self.num_tool_errors,
+                            num_answer_tags=self.answer_tags, num_turns=self.num_turns)
+
+
+def _turn_seed(seed: int, turn: int) -> int:
+  return (seed * 1_000_003 + turn * 7_919) % (2 ** 31 - 1)
+
+
+async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatProtocol,
+                         problem: str, cfg: AgentConfig, *, seed: int, uid: str = "",
+                         prompt_ids: Sequence[int] | None = None) -> Trajectory:
+  traj = Trajectory(uid=uid, prompt_ids=list(prompt_ids if prompt_ids is not None
+                                             else proto.prompt_ids(problem)))
+  while True:
+    budget = cfg.max_response_tokens - len(traj.response_ids)
+    if budget <= 0:
+      traj.finish_reason = "length"
+      break
+    req = GenerationRequest(
+        input_ids=traj.prompt_ids + traj.response_ids, max_new_tokens=budget,
+        stop_token_ids=proto.stop_ids, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, seed=_turn_seed(seed, traj.num_turns),
+        request_id=f"{uid}/turn{traj.num_turns}")
+    t0 = time.perf_counter()
+    out = await engine.generate(req)
+    traj.generate_s += time.perf_counter() - t0
+    start = len(traj.response_ids)
+    traj.response_ids += out.output_ids
+    traj.response_mask += [1] * len(out.output_ids)
+    traj.response_logprobs += list(out.logprobs)
+    traj.turns.append((start, len(traj.response_ids)))
+    turn = proto.parse_turn(out.output_ids)
+    traj.answer_tags += turn.answer_tags
+    if out.finish_reason == "length" and not turn.wants_tool:
+      traj.finish_reason = "length"
+      break
+    if not turn.wants_tool:
+      traj.finish_reason = "stop"
+      break
+    if traj.num_turns >= cfg.max_turns:
+      traj.finish_reason = "max_turns"
+      break
+    t0 = time.perf_counter()
+    runnable = [c for c in turn.calls if c.ok]
+    results = await tools.execute(runnable) if runnable else []
+    traj.tool_s += time.perf_counter() - t0
+    by_call = iter(results)
+    responses = []
+    for call in turn.calls:
+      result = next(by_call) if call.ok else None
+      traj.num_tool_calls += 1
+      if proto.is_tool_error(call, result):
+        traj.num_tool_errors += 1
+      traj.tool_statuses["parse_error" if result is None else result.get("status", "?")] += 1
+      responses.append(proto.tool_response_text(call, result))
+    tool_ids = proto.tool_turn_ids(out.output_ids, responses)
+    if len(traj.response_ids) + len(tool_ids) >= cfg.max_response_tokens:
+      traj.finish_reason = "length"   # no room for the tool turn and another model turn
+      break
+    traj.response_ids += tool_ids
+    traj.response_mask += [0] * len(tool_ids)
+    traj.response_logprobs += [0.0] * len(tool_ids)
+  return traj
+
+
+async def run_many(engine: Engine, tools: ToolExecutor, proto: chat.ChatProtocol,
+                   problems: Sequence[tuple[str, str]], cfg: AgentConfig, *,
+                   seeds: Sequence[int], progress=None) -> list[Trajectory]:
+  """All trajectories concurrently; `problems` are (uid, problem text).
+
+  Each trajectory is its own task: when one waits on the sandbox, the others keep
+  the engine busy.
+  """
+  async def one(i):
+    uid, problem = problems[i]
+    t = await run_trajectory(engine, tools, proto, problem, cfg, seed=seeds[i], uid=uid)
+    if progress is not None:
+      progress(t)
+    return t
+  return list(await asyncio.gather(*(one(i) for i in range(len(problems)))))

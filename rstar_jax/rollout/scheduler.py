@@ -1,0 +1,111 @@
+"""Dispatch of generation requests over several engines, by free KV capacity.
+
+rStar2-Agent's rollout scheduler sends each request (each turn of a trajectory) to
+the engine with the most free KV-cache capacity, instead of splitting the batch
+evenly up front: trajectory lengths differ by orders of magnitude, so a static split
+leaves some engines idle while others queue. Tool calls are dispatched by the agent
+loop the moment a turn ends (each trajectory is its own asyncio task), so engines
+keep decoding the other trajectories meanwhile.
+
+Engines are anything with `async generate(request)`, `free_kv_tokens()`,
+`num_active()` and a `name`: several JaxEngines on separate device sets now,
+SGLang servers later. Policies are a registry picked by config string.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from rstar_jax.rollout.jax_engine import GenerationRequest, GenerationResult
+
+
+class EngineLike(Protocol):
+  name: str
+  async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+  def free_kv_tokens(self) -> int: ...
+  def num_active(self) -> int: ...
+
+
+Policy = Callable[[Sequence[Any], GenerationRequest], int]
+POLICIES: dict[str, Callable[[], Policy]] = {}
+
+
+def register(name: str):
+  def deco(factory):
+    POLICIES[name] = factory
+    return factory
+  return deco
+
+
+def get_policy(name: str) -> Policy:
+  if name not in POLICIES:
+    raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(POLICIES)}")
+  return POLICIES[name]()
+
+
+@register("kv_capacity")
+def _kv_capacity() -> Policy:
+  def pick(engines, request):
+    # Most free KV tokens; ties go to the engine with fewer running requests.
+    return max(range(len(engines)),
+               key=lambda i: (engines[i].free_kv_tokens(), -engines[i].num_active()))
+  return pick
+
+
+@register("round_robin")
+def _round_robin() -> Policy:
+  counter = itertools.count()
+  return lambda engines, request: next(counter) % len(engines)
+
+
+@register("least_active")
+def _least_active() -> Policy:
+  return lambda engines, request: min(range(len(engines)),
+                                      key=lambda i: engines[i].num_active())
+
+
+class EnginePool:
+  """An Engine (for the agent loop) that spreads requests over `engines`."""
+
+  def __init__(self, engines: Sequence[EngineLike], policy: str = "kv_capacity"):
+    if not engines:
+      raise ValueError("EnginePool needs at least one engine")
+    self.engines = list(engines)
+    self.policy_name = policy
+    self._pick = get_policy(policy)
+    self.metrics: dict[str, collections.Counter] = {
+        e.name: collections.Counter() for e in self.engines}
+    self._t0 = time.perf_counter()
+
+  async def generate(self, request: GenerationRequest) -> GenerationResult:
+    i = self._pick(self.engines, request)
+    engine = self.engines[i]
+    m = self.metrics[engine.name]
+    m["requests"] += 1
+    t = time.perf_counter()
+    out = await engine.generate(request)
+    m["request_s"] += time.perf_counter() - t
+    m["queue_wait_s"] += out.queue_wait_s
+    m["generated_tokens"] += len(out.output_ids)
+    m["prefill_tokens"] += out.prompt_tokens - out.reused_prefix_tokens
+    return out
+
+  def stats(self) -> dict[str, float]:
+    elapsed = time.perf_counter() - self._t0
+    out: dict[str, float] = {"elapsed_s": elapsed}
+    total = 0
+    for e in self.engines:
+      m = self.metrics[e.name]
+      total += m["generated_tokens"]
+      out[f"{e.name}/requests"] = m["requests"]
+      out[f"{e.name}/generated_tokens"] = m["generated_tokens"]
+      out[f"{e.name}/mean_queue_wait_s"] = m["queue_wait_s"] / max(m["requests"], 1)
+      if hasattr(e, "stats"):
+        es = e.stats()
+        for k in ("slot_utilisation", "busy_fraction"):
+          if k in es:
+            out[f"{e.name}/{k}"] = es[k]
+    out["generated_tokens_per_s"] = total / max(elapsed, 1e-9)
+    return out
