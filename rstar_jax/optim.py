@@ -30,8 +30,8 @@ class OptimizerConfig:
       raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; choose from {SCHEDULES}")
-    if self.schedule == "warmup_cosine" and not (self.total_steps and
-                                                 self.total_steps > self.warmup_steps):
+    if (self.schedule == "warmup_cosine" and self.total_steps is not None and
+        self.total_steps <= self.warmup_steps):
       raise ValueError("OptimizerConfig.total_steps must exceed warmup_steps for "
                        f"warmup_cosine (got {self.total_steps}, warm-up {self.warmup_steps})")
     if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
@@ -41,6 +41,8 @@ class OptimizerConfig:
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  if cfg.schedule == "warmup_cosine" and cfg.total_steps is None:
+    raise ValueError("OptimizerConfig.total_steps must be set for warmup_cosine")
   # Linear warm-up from 0 (step 0 gets lr/warmup, not 0, so no step is wasted).
   warm = max(cfg.warmup_steps, 0)
   if cfg.schedule == "warmup_constant":

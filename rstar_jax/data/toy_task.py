@@ -350,6 +350,7 @@ def toy_chat_config(**overrides: Any) -> chat.ChatConfig:
       tools_footer="\n</tools>",
       tool_schema=schema,
       user_template="{problem}",
+      show_execution_time=False,  # deterministic rollouts (exact resume); the toy needs no timing
   )
   kwargs.update(overrides)
   return chat.ChatConfig(**kwargs)

@@ -114,7 +114,7 @@ def sequence_logprobs(graphdef, params, input_ids, target_ids, attention_mask, *
                               return_entropy=return_entropy)
 
 
-def _split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+def split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
   def split(x):
     if x.shape[0] % n:
       raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
@@ -127,7 +127,7 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update from a full batch (call through `make_train_step`)."""
   norm = losses.LossNormalizer.from_mask(batch["loss_mask"])
-  micro = _split_micro(batch, step_cfg.micro_batches)
+  micro = split_micro(batch, step_cfg.micro_batches)
 
   def micro_loss(params, mb):
     out = sequence_logprobs(graphdef, params, mb["input_ids"], mb["target_ids"],
@@ -141,6 +141,18 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
     metrics.update(losses.logprob_diff_metrics(lp, mb["sampler_logp"], mb["loss_mask"], norm))
     return loss, metrics
 
+  new_state, metrics = accumulate_and_update(tx, state, micro, micro_loss)
+  metrics.update(tokens=norm.num_tokens, sequences=norm.num_seqs)
+  return new_state, metrics
+
+
+def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
+                          micro: dict[str, jax.Array], micro_loss
+                          ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Sums loss, gradient and metrics of `micro_loss(params, mb)` over the leading
+  micro-batch axis of `micro` (lax.scan: one micro-batch's activations live at a
+  time), then applies one optimizer update. `micro_loss` must already be normalised
+  by full-batch constants, so the sums are the full-batch values."""
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def body(carry, mb):
@@ -152,14 +164,13 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   first_mb = jax.tree.map(lambda x: x[0], micro)
-  m_zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_loss(state.params,
-                                                                          first_mb)[1]))
+  m_zero = jax.tree.map(jnp.zeros_like,
+                        jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
   (grads, metrics, loss), _ = jax.lax.scan(body, (zeros, m_zero, jnp.zeros(())), micro)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
-                 update_norm=optax.global_norm(updates),
-                 tokens=norm.num_tokens, sequences=norm.num_seqs)
+                 update_norm=optax.global_norm(updates))
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -169,6 +180,13 @@ def make_train_step(graphdef, tx, loss_cfg: losses.LossConfig, step_cfg: StepCon
   """The jitted step. With a mesh: activations follow the logical rules, the batch is
   sharded over (data, fsdp), and the new state keeps `state_shardings`."""
   fn = functools.partial(train_step, graphdef, tx, loss_cfg, step_cfg)
+  return jit_step(fn, mesh, rules, state_shardings, donate)
+
+
+def jit_step(fn, mesh=None, rules=sharding.DEFAULT_RULES,
+             state_shardings: TrainState | None = None, donate: bool = True):
+  """jit `fn(state, batch) -> (state, metrics)`: batch sharded over (data, fsdp),
+  activations constrained by the logical rules, new state on `state_shardings`."""
   out = None if state_shardings is None else (state_shardings, None)
   jitted = jax.jit(fn, donate_argnums=(0,) if donate else (), out_shardings=out)
 
@@ -185,7 +203,7 @@ def make_logprob_fn(graphdef, step_cfg: StepConfig, mesh=None, rules=sharding.DE
   """Jitted [N, T] log-probs of target_ids (old / reference log-probs, in micro-batches)."""
   @jax.jit
   def fn(params, input_ids, target_ids, attention_mask):
-    micro = _split_micro(dict(i=input_ids, t=target_ids, a=attention_mask),
+    micro = split_micro(dict(i=input_ids, t=target_ids, a=attention_mask),
                          step_cfg.micro_batches)
     out = jax.lax.map(lambda mb: sequence_logprobs(
         graphdef, params, mb["i"], mb["t"], mb["a"], chunk=step_cfg.logprob_chunk,

@@ -156,6 +156,9 @@ class ChatConfig:
   truncation_marker: str = "...(truncated)..."
   parse_error_prefix: str = "Failed to decode tool call: "
   error_format: str = "concise"
+  # The release shows the measured run time; it makes rollouts depend on machine load,
+  # so it can be turned off (the toy does) for exactly reproducible runs.
+  show_execution_time: bool = True
 
   def __post_init__(self):
     if self.error_format not in ERROR_FORMATS:
@@ -334,7 +337,7 @@ def render_executor_result(result: Mapping[str, Any], config: ChatConfig) -> str
     lines.append(f"stdout: {cut(stdout)}")
   if stderr:
     lines.append(f"stderr: {cut(stderr)}")
-  if wall_time is not None:
+  if wall_time is not None and config.show_execution_time:
     lines.append(f"execution time: {wall_time:.2f}s")
   return "\n".join(lines)
 

@@ -87,7 +87,9 @@ def test_trace_code_prints_the_answer_and_tool_text_is_real(traces):
     tools = [m for m in msgs if m["role"] == "tool"]
     assert len(tools) == len(t.codes) == (2 if t.variant == "bug_fixed" else 1)
     for code, tool in zip(t.codes, tools):
-      wall = float(re.search(r"execution time: ([\d.]+)s$", tool["content"]).group(1))
+      timed = re.search(r"execution time: ([\d.]+)s$", tool["content"])
+      assert bool(timed) == cfg.show_execution_time
+      wall = float(timed.group(1)) if timed else 0.01
       result = toy_task.run_code(code, wall_time=wall)
       assert tool["content"] == chat.truncate_middle(
           chat.render_executor_result(result, cfg), cfg.response_max_chars)
@@ -187,7 +189,8 @@ def test_rollout_of_the_trace_reproduces_the_sft_ids(tok, proto, traces):
         break
       assert turn.stop == "tool_call" and len(turn.calls) == 1 and turn.calls[0].ok
       response = msgs.pop(0)["content"]
-      wall = float(re.search(r"execution time: ([\d.]+)s$", response).group(1))
+      timed = re.search(r"execution time: ([\d.]+)s$", response)
+      wall = float(timed.group(1)) if timed else 0.01
       assert proto.tool_response_text(
           turn.calls[0], toy_task.run_code(turn.calls[0].code, wall)) == response
       tool = proto.tool_turn_ids(gen, [response])

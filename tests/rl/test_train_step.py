@@ -121,4 +121,9 @@ def test_warmup_constant_schedule():
   assert np.isclose(sched(0), 1e-6 / 20) and np.isclose(sched(19), 1e-6)
   assert np.isclose(sched(500), 1e-6)
   with pytest.raises(ValueError, match="total_steps"):
-    optim.OptimizerConfig(schedule="warmup_cosine")
+    optim.make_schedule(optim.OptimizerConfig(schedule="warmup_cosine"))
+  with pytest.raises(ValueError, match="total_steps"):
+    optim.OptimizerConfig(schedule="warmup_cosine", warmup_steps=10, total_steps=5)
+  cos = optim.make_schedule(optim.OptimizerConfig(learning_rate=1.0, warmup_steps=2,
+                                                  schedule="warmup_cosine", total_steps=12))
+  assert np.isclose(cos(0), 0.5) and np.isclose(cos(2), 1.0) and cos(11) < 0.05

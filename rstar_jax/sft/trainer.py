@@ -1,0 +1,136 @@
+"""Cold-start SFT loop: packed conversations, warm-up + cosine, held-out loss, resumable."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Sequence
+
+from absl import logging
+from flax import nnx
+import jax
+import numpy as np
+
+from rstar_jax import checkpoint as ckpt_lib
+from rstar_jax import metrics as metrics_lib
+from rstar_jax import optim
+from rstar_jax.rl import train_step as ts
+from rstar_jax.sft import packing
+from rstar_jax.sft import train_step as sft_ts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+  seed: int = 0
+  epochs: float = 3.0
+  seq_len: int = 1024
+  rows_per_step: int = 8
+  eval_every: int = 50
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 2
+
+  def __post_init__(self):
+    if self.epochs <= 0 or self.seq_len <= 1 or self.rows_per_step <= 0:
+      raise ValueError("SFTConfig: epochs, seq_len, rows_per_step must be positive")
+    if self.eval_every <= 0 or self.checkpoint_every <= 0:
+      raise ValueError("SFTConfig: eval_every and checkpoint_every must be positive")
+
+
+def num_steps(cfg: SFTConfig, num_rows: int) -> int:
+  return max(1, math.ceil(cfg.epochs * max(num_rows // cfg.rows_per_step, 1)))
+
+
+class SFTTrainer:
+  def __init__(self, cfg: SFTConfig, opt_cfg: optim.OptimizerConfig, step_cfg: ts.StepConfig,
+               model, train: Sequence[tuple[list[int], list[int]]],
+               heldout: Sequence[tuple[list[int], list[int]]], workdir: str, *, pad_id: int = 0,
+               mesh=None):
+    self.cfg, self.step_cfg, self.workdir, self.mesh = cfg, step_cfg, workdir, mesh
+    self.rows, pack_stats = packing.pack(train, cfg.seq_len, pad_id=pad_id)
+    self.heldout, _ = packing.pack(heldout, cfg.seq_len, pad_id=pad_id) if heldout else (None, None)
+    logging.info("SFT packing: %s", pack_stats)
+    if pack_stats["truncated"]:
+      logging.warning("SFT: %d conversations longer than seq_len=%d were truncated",
+                      pack_stats["truncated"], cfg.seq_len)
+    n_rows = len(self.rows["input_ids"])
+    if n_rows < cfg.rows_per_step:
+      raise ValueError(f"SFT: only {n_rows} packed rows for rows_per_step={cfg.rows_per_step}")
+    self.total_steps = num_steps(cfg, n_rows)
+    if opt_cfg.schedule == "warmup_cosine" and opt_cfg.total_steps is None:
+      opt_cfg = dataclasses.replace(opt_cfg, total_steps=max(self.total_steps,
+                                                             opt_cfg.warmup_steps + 1))
+    self.opt_cfg = opt_cfg
+    self.tx = optim.make_optimizer(opt_cfg)
+    self.graphdef, self.state, self.shardings = ts.init_train_state(model, self.tx, mesh)
+    self.step_fn = sft_ts.make_sft_step(self.graphdef, self.tx, step_cfg, mesh=mesh,
+                                        state_shardings=self.shardings)
+    self.eval_fn = sft_ts.make_eval_fn(self.graphdef, step_cfg, mesh=mesh)
+    self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                      max_to_keep=cfg.keep_checkpoints)
+    self.writer = metrics_lib.MetricsWriter(workdir, "sft")
+    self.step = 0
+    self.pack_stats = pack_stats
+
+  def _batch_indices(self, step: int) -> np.ndarray:
+    n = len(self.rows["input_ids"])
+    per_epoch = n // self.cfg.rows_per_step
+    epoch, k = divmod(step, per_epoch)
+    order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+    return order[k * self.cfg.rows_per_step:(k + 1) * self.cfg.rows_per_step]
+
+  def heldout_loss(self) -> float | None:
+    if self.heldout is None:
+      return None
+    n = len(self.heldout["input_ids"])
+    mult = self.step_cfg.micro_batches * (1 if self.mesh is None else
+                                          self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+    pad = (-n) % mult
+    batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+             for k, v in self.heldout.items()}
+    s, t = self.eval_fn(self.state.params, batch)
+    return float(s) / max(float(t), 1.0)
+
+  def maybe_restore(self) -> bool:
+    if self.ckpt.latest_step() is None:
+      return False
+    self.state, meta = self.ckpt.restore(self.state, self.shardings)
+    self.step = int(meta["step"])
+    self.writer.truncate_after(self.step)
+    logging.info("resumed SFT at step %d", self.step)
+    return True
+
+  def run(self, progress: bool = True) -> list[dict[str, float]]:
+    from tqdm import tqdm
+    bar = tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
+               disable=not progress)
+    history = []
+    try:
+      while self.step < self.total_steps:
+        idx = self._batch_indices(self.step)
+        batch = {k: v[idx] for k, v in self.rows.items()}
+        self.state, m = self.step_fn(self.state, batch)
+        m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
+        if not math.isfinite(m["sft/loss"]):
+          raise FloatingPointError(f"SFT step {self.step}: non-finite loss")
+        m["sft/learning_rate"] = float(optim.make_schedule(self.opt_cfg)(self.step))
+        self.step += 1
+        if self.step % self.cfg.eval_every == 0 or self.step == self.total_steps:
+          m["sft/heldout_nll"] = self.heldout_loss()
+        self.writer.write(self.step, {k: v for k, v in m.items() if v is not None})
+        history.append(m)
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+        if self.step % self.cfg.checkpoint_every == 0:
+          self.ckpt.save(self.step, self.state, {"step": self.step})
+    finally:
+      bar.close()
+    if self.ckpt.latest_step() != self.step:
+      self.ckpt.save(self.step, self.state, {"step": self.step})
+    return history
+
+  def model(self):
+    return nnx.merge(self.graphdef, self.state.params)
+
+  def close(self):
+    self.ckpt.close()
+    self.writer.close()
