@@ -6,28 +6,43 @@ straight onto the target shardings.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from absl import logging
 import jax
 import orbax.checkpoint as ocp
+
+
+@contextlib.contextmanager
+def _quiet():
+  # Orbax logs a dozen INFO lines per save through absl; keep the console readable.
+  old = logging.get_verbosity()
+  logging.set_verbosity(logging.WARNING)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(old)
 
 
 class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int | None = 3):
     self.directory = os.path.abspath(directory)
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                             create=True))
+    with _quiet():
+      self.manager = ocp.CheckpointManager(
+          self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                                               create=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, meta: dict[str, Any], *, wait: bool = True) -> None:
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-    if wait:
-      self.manager.wait_until_finished()
+    with _quiet():
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      if wait:
+        self.manager.wait_until_finished()
 
   def restore(self, state_like: Any, shardings: Any | None = None, step: int | None = None):
     """Restores (state, meta) at `step` (default latest) into `state_like`'s structure."""
@@ -42,13 +57,15 @@ class Checkpointer:
       abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                               state_like, shardings)
     try:
-      out = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      with _quiet():
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax errors are long; say what failed first
       raise RuntimeError(f"could not restore checkpoint step {step} from {self.directory}: "
                          f"{type(e).__name__}: {e}") from e
     return out.state, out.meta
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    with _quiet():
+      self.manager.wait_until_finished()
+      self.manager.close()

@@ -1,0 +1,28 @@
+r"""Runs (or resumes) the multi-stage recipe: SFT -> RL stages 1-3 -> evaluation.
+
+  python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
+
+`--stages=sft,stage1` runs only those stages (finished stages are always skipped).
+"""
+from absl import flags
+from ml_collections import config_flags
+
+from rstar_jax import config_utils
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file",
+                                          lock_config=True)
+_STAGES = flags.DEFINE_list("stages", [], "subset of sft,stage1,stage2,stage3,eval (default all)")
+
+
+def main(argv):
+  del argv
+  from rstar_jax import recipe
+  known = {"sft", *recipe.RL_STAGES, "eval"}
+  unknown = set(_STAGES.value) - known
+  if unknown:
+    raise config_utils.ConfigError(f"--stages: unknown {sorted(unknown)}; known {sorted(known)}")
+  recipe.run(_CONFIG.value, stages=_STAGES.value or None)
+
+
+if __name__ == "__main__":
+  config_utils.run(main)
