@@ -1,0 +1,53 @@
+"""Evaluation runner on a scripted engine: known answers give known pass@k."""
+import asyncio
+
+from rstar_jax.data import math_data, toy_task
+from rstar_jax.eval import evaluate
+from rstar_jax.rollout import agent_loop, chat
+from rstar_jax.rollout.jax_engine import GenerationResult
+
+
+class ScriptedEngine:
+  """Answers problem i's sample j correctly iff (i + j) % 4 == 0 (no tool calls)."""
+
+  def __init__(self, tok, proto, problems, prompt_of):
+    self.tok, self.proto = tok, proto
+    self.answers = {tuple(prompt_of(p)): p.answer for p in problems}
+    self.seen: dict[tuple, int] = {}
+    self.index = {tuple(prompt_of(p)): i for i, p in enumerate(problems)}
+
+  async def generate(self, request):
+    key = tuple(request.input_ids)
+    j = self.seen.get(key, 0)
+    self.seen[key] = j + 1
+    i = self.index[key]
+    ans = self.answers[key] if (i + j) % 4 == 0 else "-1"
+    text = f"think</reason>\n<answer>\n\\boxed{{{ans}}}\n</answer>"
+    ids = self.tok.encode(text) + [self.proto.token_ids.im_end]
+    return GenerationResult(request_id=request.request_id, output_ids=ids,
+                            logprobs=[0.0] * len(ids), finish_reason="stop",
+                            prompt_tokens=len(request.input_ids), reused_prefix_tokens=0,
+                            queue_wait_s=0.0)
+
+
+class NoTools:
+  async def execute(self, calls):
+    raise AssertionError("no tool call expected")
+
+
+def test_evaluate_on_scripted_engine():
+  tok = toy_task.train_toy_tokenizer(vocab_size=512, n=200)
+  proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
+  toy = toy_task.generate_problems(8, seed=0)
+  problems = [math_data.MathProblem(uid=f"p{i}", problem=p.problem, answer=str(p.answer),
+                                    source="toy") for i, p in enumerate(toy)]
+  engine = ScriptedEngine(tok, proto, problems, lambda p: proto.prompt_ids(p.problem))
+  cfg = agent_loop.AgentConfig(max_turns=2, max_response_tokens=64, temperature=0.8)
+  report, trajs = evaluate.evaluate(engine, NoTools(), proto, tok, problems, k=4,
+                                    agent_cfg=cfg, progress=False, dataset="scripted")
+  # Problem i has exactly one correct sample among j = 0..3: pass@1 = 1/4, pass@4 = 1.
+  assert abs(report.pass_at_1 - 0.25) < 1e-9
+  assert abs(report.pass_at_k[4] - 1.0) < 1e-9
+  assert report.temperature == 0.8 and "temperature 0.8" in report.to_table()
+  assert report.share_truncated == 0 and report.tool_calls_per_trajectory == 0
+  assert all(t.finish_reason == "stop" for t in trajs)
