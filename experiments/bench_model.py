@@ -1,6 +1,6 @@
-r"""Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
+r"""python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
 
-  python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
+Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
 
 Both sides compute the same thing: next-token cross-entropy of a random batch and
 its gradient w.r.t. every parameter, fp32, same architecture and weights (the torch

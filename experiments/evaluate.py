@@ -1,6 +1,6 @@
-r"""Evaluates the latest finished stage (or --hf_dir): pass@1 over k samples, tool stats.
+r"""python -m experiments.evaluate --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
 
-  python -m experiments.evaluate --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
+Evaluates the latest finished stage (or --hf_dir): pass@1 over k samples, tool stats.
 
 Sampling temperature and k come from config.eval and are printed with the results.
 """

@@ -1,6 +1,6 @@
-r"""Runs (or resumes) the multi-stage recipe: SFT -> RL stages 1-3 -> evaluation.
+r"""python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
 
-  python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
+Runs (or resumes) the multi-stage recipe: SFT -> RL stages 1-3 -> evaluation.
 
 `--stages=sft,stage1` runs only those stages (finished stages are always skipped).
 """

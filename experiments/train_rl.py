@@ -1,6 +1,6 @@
-r"""GRPO-RoC RL stages only, starting from the last finished stage (SFT export or earlier RL).
+r"""python -m experiments.train_rl --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy --stage=stage1
 
-  python -m experiments.train_rl --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy --stage=stage1
+GRPO-RoC RL stages only, starting from the last finished stage (SFT export or earlier RL).
 """
 from absl import flags
 from ml_collections import config_flags

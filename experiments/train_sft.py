@@ -1,6 +1,6 @@
-r"""Cold-start SFT only (the recipe's first stage).
+r"""python -m experiments.train_sft --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
 
-  python -m experiments.train_sft --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
+Cold-start SFT only (the recipe's first stage).
 """
 from ml_collections import config_flags
 

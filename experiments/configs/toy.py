@@ -1,6 +1,6 @@
-r"""The whole rStar2-Agent recipe on a CPU, on the toy arithmetic tool task.
+r"""python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
 
-  python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
+The whole rStar2-Agent recipe on a CPU, on the toy arithmetic tool task.
 
 A tiny Qwen3 (vocab from a toy tokenizer trained on the spot) learns the tool-call
 format in SFT from traces with deliberate noise (buggy first calls, answers without

@@ -1,0 +1,40 @@
+r"""python -m experiments.plan_memory --config=experiments/configs/plan_memory.py
+
+Ahead-of-time memory plan of the Qwen3-14B GRPO train step on a 64-device mesh. Every
+case of the Cartesian product of the list fields below is compiled (each takes minutes
+on a small CPU machine), so pick short lists, e.g.
+
+  python -m experiments.plan_memory --config=experiments/configs/plan_memory.py \
+    --config.meshes="fsdp=8,tensor=8" --config.response_lens=12288 \
+    --config.micro_batch=1,2,4 --config.remat_policy=full,dots_no_batch
+
+Fields:
+  meshes: ';'-separated meshes, each comma-separated axis=size over (data, fsdp, tensor).
+  response_lens: comma-separated response budgets; a sequence is prompt_len + response.
+  micro_batch: comma-separated sequences per micro-batch per batch shard (data x fsdp).
+  remat_policy: comma-separated, from none, full, dots, dots_no_batch, qkv_proj.
+  attention_impl: comma-separated, from xla (full [T, T] scores), chunked.
+  attention_chunk: comma-separated query-chunk lengths, used with attention_impl=chunked.
+  param_dtype: comma-separated master-weight dtypes (float32 = fp32 master weights).
+  dtype: compute dtype of the matmuls.
+  micro_batches: gradient-accumulation steps (a lax.scan: temp memory does not grow).
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.preset = "qwen3-14b"
+  c.meshes = "fsdp=64;fsdp=8,tensor=8"
+  c.prompt_len = 1024
+  c.response_lens = "8192,12288"
+  c.micro_batch = "1"
+  c.remat_policy = "full"
+  c.attention_impl = "chunked"
+  c.param_dtype = "float32"
+  c.dtype = "bfloat16"
+  c.micro_batches = 2
+  c.attention_chunk = "1024"
+  c.logprob_chunk = 512
+  c.compute_entropy = True
+  return c
