@@ -36,15 +36,21 @@ def _round_up(n: int, multiple: int) -> int:
 
 def build_batch(trajs: Sequence[TokenTrajectory], advantages: Sequence[float], *,
                 row_multiple: int = 1, length_multiple: int = 64, max_len: int | None = None,
-                pad_id: int = 0) -> dict[str, np.ndarray]:
+                pad_id: int = 0, pow2_lengths: bool = True) -> dict[str, np.ndarray]:
   """Pads to [N, T]; N rounded up to `row_multiple` with all-padding rows (loss mask 0,
-  so they change nothing), T rounded up to `length_multiple` to limit recompiles."""
+  so they change nothing). T is rounded up to a power of two (at least
+  `length_multiple`), or to a multiple of `length_multiple` with pow2_lengths=False:
+  every distinct T is a fresh compile of the train step."""
   if len(trajs) != len(advantages):
     raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
   if not trajs:
     raise ValueError("build_batch: no trajectories")
   seq_lens = [len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs]
-  t_len = _round_up(max(seq_lens), length_multiple)
+  longest = max(seq_lens)
+  if pow2_lengths:
+    t_len = max(length_multiple, 1 << (longest - 1).bit_length())
+  else:
+    t_len = _round_up(longest, length_multiple)
   if max_len is not None:
     if max(seq_lens) > max_len:
       raise ValueError(f"a trajectory has {max(seq_lens) + 1} tokens > max_len {max_len}")
