@@ -115,10 +115,16 @@ def sequence_logprobs(graphdef, params, input_ids, target_ids, attention_mask, *
 
 
 def split_micro(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+  """[N, ...] -> [n, N/n, ...], micro-batch i = rows i, i+n, i+2n, ... (strided).
+
+  Strided, not contiguous: the batch is sharded over (data, fsdp) in contiguous row
+  blocks, so every micro-batch then has rows on every shard and nothing moves
+  between devices (a contiguous split put each micro-batch on a few shards only).
+  """
   def split(x):
     if x.shape[0] % n:
       raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
-    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
   return {k: split(v) for k, v in batch.items()}
 
 
@@ -158,15 +164,17 @@ def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
   def body(carry, mb):
     g_acc, m_acc, l_acc = carry
     (loss, metrics), grads = grad_fn(state.params, mb)
-    g_acc = jax.tree.map(jnp.add, g_acc, grads)
+    g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
     m_acc = losses.accumulate_metrics(m_acc, metrics)
     return (g_acc, m_acc, l_acc + loss), None
 
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  # Accumulate in fp32 even with bf16 parameters; cast back for the update.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
   first_mb = jax.tree.map(lambda x: x[0], micro)
   m_zero = jax.tree.map(jnp.zeros_like,
                         jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
   (grads, metrics, loss), _ = jax.lax.scan(body, (zeros, m_zero, jnp.zeros(())), micro)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
@@ -208,7 +216,7 @@ def make_logprob_fn(graphdef, step_cfg: StepConfig, mesh=None, rules=sharding.DE
     out = jax.lax.map(lambda mb: sequence_logprobs(
         graphdef, params, mb["i"], mb["t"], mb["a"], chunk=step_cfg.logprob_chunk,
         temperature=step_cfg.temperature), micro)
-    return out.reshape(input_ids.shape)
+    return out.swapaxes(0, 1).reshape(input_ids.shape)   # undo the strided split
 
   def run(params, input_ids, target_ids, attention_mask):
     args = (input_ids, target_ids, attention_mask)

@@ -127,3 +127,15 @@ def test_warmup_constant_schedule():
   cos = optim.make_schedule(optim.OptimizerConfig(learning_rate=1.0, warmup_steps=2,
                                                   schedule="warmup_cosine", total_steps=12))
   assert np.isclose(cos(0), 0.5) and np.isclose(cos(2), 1.0) and cos(11) < 0.05
+
+
+def test_logprob_fn_returns_rows_in_order():
+  model = qwen3.create_model(CFG, seed=3)
+  graphdef, params = nnx.split(model, nnx.Param)
+  b = _batch(n=8, seed=9)
+  fn = ts.make_logprob_fn(graphdef, ts.StepConfig(micro_batches=4, logprob_chunk=8))
+  got = np.asarray(fn(params, b["input_ids"], b["target_ids"], b["attention_mask"]))
+  want = np.asarray(ts.sequence_logprobs(graphdef, params, jnp.asarray(b["input_ids"]),
+                                         jnp.asarray(b["target_ids"]),
+                                         jnp.asarray(b["attention_mask"]), chunk=8))
+  np.testing.assert_allclose(got, want, atol=1e-5)

@@ -1,0 +1,386 @@
+r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent rollouts.
+
+  python -m experiments.bench_rollout
+
+(a) Generated tokens/s at batch 64 of the same random Qwen3 (the `small` preset by
+    default: 4 layers, hidden 256): our JaxEngine (continuous batching, one jitted
+    prefill per request, one jitted decode step for all slots) versus
+    `transformers.Qwen3ForCausalLM.generate()` on torch CPU, loaded from the directory
+    our model was exported to with `hf_io.save_hf`. Both sample (temperature 1, no
+    top-k / top-p), both get the same prompt lengths and produce exactly
+    `--new_tokens` tokens per row (no stop ids; `min_new_tokens` on the torch side).
+    Runs alternate (JAX, torch, JAX, torch, ...) so machine noise hits both; medians.
+    JaxEngine's compile time (its first run minus its median) is reported apart from
+    its steady state. A profile of the JaxEngine run splits its time into jitted
+    prefill calls, jitted decode steps and host-side Python around them.
+(b) Multi-turn agent rollouts against a real sandbox server (started here): toy
+    problems, a JaxEngine behind an EnginePool, SandboxTools, `run_many`. A random
+    model almost never writes a tool call, so a wrapper makes the first
+    `--calls_per_traj` turns of each trajectory "think" `--think_tokens` sampled
+    tokens and then appends a scripted call that runs the problem's code; the last
+    turn is sampled freely until a stop id or the response budget. Reports
+    trajectories/s, tool calls/s, tool latency, slot utilisation of the engine.
+
+Not a test: nothing is asserted. Figures depend on the machine and its load.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.config.PRESETS)")
+flags.DEFINE_integer("vocab", 0, "(a) vocabulary size; 0 = the preset's")
+flags.DEFINE_integer("batch", 64, "(a) sequences generated at once")
+flags.DEFINE_integer("prompt_len", 64, "(a) prompt tokens per sequence")
+flags.DEFINE_integer("new_tokens", 128, "(a) generated tokens per sequence")
+flags.DEFINE_integer("repeats", 2, "(a) timed runs per side, after one warm-up each")
+flags.DEFINE_integer("threads", 0, "torch intra-op threads (0 = torch's default)")
+flags.DEFINE_integer("trajectories", 64, "(b) trajectories in the timed run")
+flags.DEFINE_integer("slots", 32, "(b) engine slots (concurrent sequences)")
+flags.DEFINE_integer("max_len", 512, "(b) KV cache length per slot")
+flags.DEFINE_integer("max_turns", 4, "(b) assistant turns per trajectory")
+flags.DEFINE_integer("max_response_tokens", 320, "(b) response budget (model + tool tokens)")
+flags.DEFINE_integer("calls_per_traj", 3, "(b) turns that end in a scripted tool call")
+flags.DEFINE_integer("think_tokens", 24, "(b) tokens sampled before each scripted call")
+flags.DEFINE_integer("sandbox_children", 8, "(b) sandbox server --max-children")
+flags.DEFINE_boolean("skip_a", False, "skip part (a)")
+flags.DEFINE_boolean("skip_b", False, "skip part (b)")
+FLAGS = flags.FLAGS
+
+
+def random_model(cfg, seed: int = 0):
+  """A random Qwen3 from numpy (`qwen3.create_model` compiles one eager op per shape,
+  which costs seconds of CPU for nothing here). Norm weights are ones."""
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from rstar_jax.model import qwen3
+
+  graphdef, state = nnx.split(qwen3.abstract_model(cfg))
+  rng = np.random.RandomState(seed)
+
+  def init(path, x):
+    if "norm" in jax.tree_util.keystr(path):
+      return jnp.ones(x.shape, x.dtype)
+    return jnp.asarray((cfg.initializer_range * rng.standard_normal(x.shape)).astype(x.dtype))
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, state))
+
+
+class JitTimer:
+  """Wraps the engine's jitted `_prefill` / `_decode` to time each call to completion.
+
+  The engine reads their results on the host right after each call (`int(tok)`,
+  `np.asarray`), so blocking here adds no synchronisation it would not do anyway.
+  """
+
+  def __init__(self):
+    from rstar_jax.rollout import jax_engine
+    self.mod = jax_engine
+    self.orig = {"_prefill": jax_engine._prefill, "_decode": jax_engine._decode}
+    self.seconds = {k: 0.0 for k in self.orig}
+    self.calls = {k: 0 for k in self.orig}
+
+  def __enter__(self):
+    import jax
+    for name, fn in self.orig.items():
+      def timed(*args, _fn=fn, _name=name, **kw):
+        t = time.perf_counter()
+        out = jax.block_until_ready(_fn(*args, **kw))
+        self.seconds[_name] += time.perf_counter() - t
+        self.calls[_name] += 1
+        return out
+      setattr(self.mod, name, timed)
+    return self
+
+  def __exit__(self, *exc):
+    for name, fn in self.orig.items():
+      setattr(self.mod, name, fn)
+
+  def reset(self):
+    self.seconds = {k: 0.0 for k in self.orig}
+    self.calls = {k: 0 for k in self.orig}
+
+
+# --- (a) JaxEngine versus transformers generate() ---------------------------------------
+
+
+def bench_generate():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from rstar_jax.model import config as model_config
+  from rstar_jax.model import hf_io, qwen3
+  from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
+
+  if FLAGS.threads:
+    torch.set_num_threads(FLAGS.threads)
+  overrides = {"vocab_size": FLAGS.vocab} if FLAGS.vocab else {}
+  cfg = model_config.get_preset(FLAGS.preset, **overrides)
+  model = random_model(cfg)
+  tmp = tempfile.mkdtemp(prefix="bench_rollout_")
+  hf_io.save_hf(model, tmp, dtype="float32")
+  tmodel = transformers.Qwen3ForCausalLM.from_pretrained(
+      tmp, dtype=torch.float32, attn_implementation="sdpa")
+  tmodel.eval()
+  shutil.rmtree(tmp)   # the weights are loaded
+
+  b, p, n = FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens
+  max_len = -(-(p + n + 1) // 16) * 16   # room for prompt + every new token, no more
+  rng = np.random.RandomState(0)
+
+  # Same function on both sides (a wrong export would make the comparison moot).
+  probe = rng.randint(0, cfg.vocab_size, (1, p))
+  ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(probe)))
+  with torch.no_grad():
+    theirs = tmodel(torch.tensor(probe)).logits.numpy()
+  logit_diff = float(np.abs(ours - theirs).max())
+
+  def prompts():
+    return rng.randint(0, cfg.vocab_size, (b, p))
+
+  def run_jax(tokens, seed):
+    engine = JaxEngine(model, EngineConfig(num_slots=b, max_len=max_len))
+    reqs = [GenerationRequest(input_ids=row.tolist(), max_new_tokens=n, temperature=1.0,
+                              top_p=1.0, top_k=0, seed=seed * 1000 + i)
+            for i, row in enumerate(tokens)]
+    t = time.perf_counter()
+    outs = engine.generate_sync(reqs)
+    dt = time.perf_counter() - t
+    assert sum(len(o.output_ids) for o in outs) == b * n
+    return dt
+
+  def run_torch(tokens, seed):
+    torch.manual_seed(seed)
+    ids = torch.tensor(tokens)
+    t = time.perf_counter()
+    with torch.no_grad():
+      out = tmodel.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
+                            min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    dt = time.perf_counter() - t
+    assert out.shape == (b, p + n), out.shape
+    return dt
+
+  timer = JitTimer()
+  with timer:
+    first_jax = run_jax(prompts(), 0)       # compiles prefill (bucket p) and decode
+    run_torch(prompts(), 0)                 # warm-up
+    timer.reset()
+    times = {"jax": [], "torch": []}
+    for r in range(FLAGS.repeats):
+      times["jax"].append(run_jax(prompts(), r + 1))
+      times["torch"].append(run_torch(prompts(), r + 1))
+    prof = dict(timer.seconds), dict(timer.calls)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  ntok = b * n
+  print(f"\n(a) generation, batch {b}, prompt {p}, {n} new tokens each (sampling T=1, no "
+        f"top-k/p), fp32, 1 host CPU device, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}")
+  print(f"    model: {FLAGS.preset} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"mlp {cfg.intermediate_size}, heads {cfg.num_attention_heads}/"
+        f"{cfg.num_key_value_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"{cfg.num_params / 1e6:.2f}M params; JaxEngine slots {b}, max_len {max_len}")
+  print(f"    max |logit diff| ours vs transformers on one prompt: {logit_diff:.2e}")
+  print(f"    {'engine':<30}{'median s':>10}{'min s':>10}{'tokens/s':>11}")
+  for key, label in (("jax", "rstar_jax JaxEngine"), ("torch", "transformers generate()")):
+    print(f"    {label:<30}{med[key]:>10.3f}{min(times[key]):>10.3f}{ntok / med[key]:>11.0f}")
+  print(f"    ratio JaxEngine / transformers tokens/s: {med['torch'] / med['jax']:.2f}x "
+        f"(goal >= 10x)")
+  print(f"    JaxEngine first run incl. compile {first_jax:.2f} s -> compile ~"
+        f"{first_jax - med['jax']:.2f} s (excluded above)")
+  secs, calls = prof
+  total = sum(times["jax"])
+  host = total - secs["_prefill"] - secs["_decode"]
+  reps = FLAGS.repeats
+  each = {k: 1e3 * secs[k] / max(calls[k], 1) for k in secs}
+  print(f"    JaxEngine profile (per run, mean of {reps}): prefill {secs['_prefill'] / reps:.3f} s "
+        f"in {calls['_prefill'] // reps} calls ({each['_prefill']:.2f} ms each), "
+        f"decode {secs['_decode'] / reps:.3f} s in {calls['_decode'] // reps} steps "
+        f"({each['_decode']:.2f} ms each), host Python "
+        f"{host / reps:.3f} s ({100 * host / total:.0f}%)")
+  print(f"    torch per generated position: {1e3 * med['torch'] / n:.2f} ms for the whole batch")
+  return {"jax_tps": ntok / med["jax"], "torch_tps": ntok / med["torch"]}
+
+
+# --- (b) multi-turn rollouts with the sandbox ------------------------------------------------
+
+
+class ToolCallingEngine:
+  """Makes a random model call tools: turn k < calls_per_traj samples `think_tokens`
+  tokens (no stop ids) from the real engine, then appends a scripted call of the
+  trajectory's code (tool-side log-prob 0). Later turns go to the engine unchanged."""
+
+  def __init__(self, engine, call_ids_by_uid, calls_per_traj: int, think_tokens: int):
+    self.engine = engine
+    self.call_ids = call_ids_by_uid
+    self.calls_per_traj = calls_per_traj
+    self.think_tokens = think_tokens
+
+  async def generate(self, request):
+    from rstar_jax.rollout.jax_engine import GenerationResult
+    uid, _, turn = (request.request_id or "").rpartition("/turn")
+    if not uid or not turn.isdigit():
+      raise ValueError(f"request_id {request.request_id!r} is not '<uid>/turn<k>'")
+    call = self.call_ids[uid]
+    think = min(self.think_tokens, request.max_new_tokens - len(call))
+    if int(turn) >= self.calls_per_traj or think < 1:
+      return await self.engine.generate(request)
+    out = await self.engine.generate(
+        dataclasses.replace(request, max_new_tokens=think, stop_token_ids=()))
+    return GenerationResult(
+        request_id=request.request_id, output_ids=out.output_ids + call,
+        logprobs=out.logprobs + [0.0] * len(call), finish_reason="stop",
+        prompt_tokens=out.prompt_tokens, reused_prefix_tokens=out.reused_prefix_tokens,
+        queue_wait_s=out.queue_wait_s)
+
+
+class TimedTools:
+  """Times every `execute` (one per tool turn) of the wrapped executor."""
+
+  def __init__(self, inner):
+    self.inner = inner
+    self.latencies: list[float] = []
+    self.calls = 0
+
+  async def execute(self, calls):
+    t = time.perf_counter()
+    out = await self.inner.execute(calls)
+    self.latencies.append(time.perf_counter() - t)
+    self.calls += len(calls)
+    return out
+
+
+def bench_agent():
+  import numpy as np
+
+  from rstar_jax.data import toy_task
+  from rstar_jax.model import config as model_config
+  from rstar_jax.rollout import chat
+  from rstar_jax.rollout.agent_loop import AgentConfig, run_many
+  from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
+  from rstar_jax.rollout.scheduler import EnginePool
+  from rstar_jax.rollout.tools import SandboxTools
+  from sandbox.launcher import running_server
+
+  tok = toy_task.train_toy_tokenizer(1024)
+  proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
+  cfg = model_config.get_preset(FLAGS.preset, vocab_size=tok.vocab_size)
+  model = random_model(cfg, seed=1)
+  ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len)
+  engine = JaxEngine(model, ecfg)
+  acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)
+
+  # Compile every prefill bucket and the decode step before timing.
+  t = time.perf_counter()
+  lengths, bucket = [], ecfg.min_prefill_bucket
+  while bucket < ecfg.max_len:
+    lengths.append(bucket)
+    bucket *= 2
+  lengths.append(ecfg.max_len - 1)
+  engine.generate_sync([GenerationRequest(input_ids=[1] * n, max_new_tokens=1, seed=0)
+                        for n in lengths])
+  engine.generate_sync([GenerationRequest(input_ids=[1, 2], max_new_tokens=2, seed=0)])
+  compile_s = time.perf_counter() - t
+
+  def problems_for(n, seed):
+    problems = toy_task.generate_problems(n, seed=seed)
+    uids = [f"p{seed}_{i}" for i in range(n)]
+    calls = {u: tok.encode(chat.assistant_text({"content": "", "tool_calls": [{
+        "name": toy_task.TOY_TOOL_NAME, "arguments": {"code": p.code}}]}))
+             for u, p in zip(uids, problems)}
+    return [(u, p.problem) for u, p in zip(uids, problems)], calls
+
+  pool = EnginePool([engine])
+
+  def rollout(url, n, seed):
+    problems, calls = problems_for(n, seed)
+    wrapped = ToolCallingEngine(pool, calls, FLAGS.calls_per_traj, FLAGS.think_tokens)
+    tools = TimedTools(SandboxTools(url, timeout_s=10.0))
+
+    async def main():
+      try:
+        return await run_many(wrapped, tools, proto, problems, acfg,
+                              seeds=list(range(seed * 10_000, seed * 10_000 + n)))
+      finally:
+        await tools.inner.aclose()
+    t = time.perf_counter()
+    trajs = asyncio.run(main())
+    return trajs, tools, time.perf_counter() - t
+
+  try:
+    with running_server(max_children=FLAGS.sandbox_children, pool_size=2) as url:
+      rollout(url, 4, seed=1)          # warm-up: the sandbox pool, the HTTP client
+      before = dict(engine.metrics)
+      trajs, tools, wall = rollout(url, FLAGS.trajectories, seed=2)
+      after = dict(engine.metrics)
+  finally:
+    engine.stop()
+
+  d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+  n = len(trajs)
+  calls = sum(t.num_tool_calls for t in trajs)
+  errors = sum(t.num_tool_errors for t in trajs)
+  lat = np.asarray(tools.latencies) * 1e3
+  reasons = {}
+  for t in trajs:
+    reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+  resp = np.asarray([len(t.response_ids) for t in trajs])
+  model_tok = sum(t.model_tokens for t in trajs)
+  util = d.get("active_slot_steps", 0) / max(d.get("decode_steps", 1) * ecfg.num_slots, 1)
+  print(f"\n(b) multi-turn rollouts, real sandbox (max_children {FLAGS.sandbox_children}), "
+        f"toy problems, 1 JaxEngine ({ecfg.num_slots} slots x {ecfg.max_len} tokens)")
+  print(f"    model: {FLAGS.preset} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size} (toy tokenizer), random weights; agent: max_turns "
+        f"{acfg.max_turns}, max_response_tokens {acfg.max_response_tokens}; turns < "
+        f"{FLAGS.calls_per_traj} = {FLAGS.think_tokens} sampled tokens + scripted call")
+  print(f"    engine warm-up (compile {len(lengths)} prefill buckets + decode): {compile_s:.1f} s "
+        "(excluded)")
+  rows = [
+      ("trajectories", f"{n}"),
+      ("wall time", f"{wall:.2f} s"),
+      ("trajectories / s", f"{n / wall:.2f}"),
+      ("tool calls", f"{calls} ({errors} errors; {tools.calls} ran in the sandbox)"),
+      ("tool calls / s", f"{calls / wall:.1f}"),
+      ("tool latency per turn, ms", f"mean {lat.mean():.1f}  p50 {np.median(lat):.1f}  "
+                                    f"p90 {np.percentile(lat, 90):.1f}"),
+      ("turns / trajectory", f"{np.mean([t.num_turns for t in trajs]):.2f}"),
+      ("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))),
+      ("response tokens / trajectory", f"mean {resp.mean():.0f}, model {model_tok / n:.0f}"),
+      ("engine generated tokens / s", f"{d.get('generated_tokens', 0) / wall:.0f}"),
+      ("engine slot utilisation", f"{util:.2f} (active slot-steps / (decode steps x slots))"),
+      ("engine busy fraction", f"{d.get('busy_s', 0.0) / wall:.2f}"),
+      ("prefill tokens (prefix-reused)", f"{d.get('prefill_tokens', 0)} "
+                                         f"({d.get('reused_prefix_tokens', 0)})"),
+      ("mean queue wait per request", f"{1e3 * pool.stats()['jax0/mean_queue_wait_s']:.1f} ms "
+                                      "(warm-up included)"),
+  ]
+  for k, v in rows:
+    print(f"    {k:<32}{v}")
+
+
+def main(_):
+  import jax
+  # The machine is often shared: the load average says how far to trust the figures.
+  print(f"jax devices: {jax.devices()}; load average {os.getloadavg()[0]:.1f}")
+  if not FLAGS.skip_a:
+    bench_generate()
+  if not FLAGS.skip_b:
+    bench_agent()
+  print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
