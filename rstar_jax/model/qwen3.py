@@ -130,13 +130,16 @@ class DecoderLayer(nnx.Module):
     k = rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
     new_kv = None
     if kv is not None:
-      k_cache, v_cache = kv
+      # The caches of ALL layers [L, B, S, Nkv, D] travel in the scan carry and are
+      # updated in place; passing per-layer slices as scan inputs/outputs instead
+      # rewrote the whole cache every decode step.
+      k_all, v_all, li = kv
       b_idx = jnp.arange(x.shape[0])[:, None]
       # mode="drop": padded tokens may carry positions past the cache end.
-      k_cache = k_cache.at[b_idx, write_index].set(k.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[b_idx, write_index].set(v.astype(v_cache.dtype), mode="drop")
-      new_kv = (k_cache, v_cache)
-      k, v = k_cache.astype(dt), v_cache.astype(dt)
+      k_all = k_all.at[li, b_idx, write_index].set(k.astype(k_all.dtype), mode="drop")
+      v_all = v_all.at[li, b_idx, write_index].set(v.astype(v_all.dtype), mode="drop")
+      new_kv = (k_all, v_all)
+      k, v = k_all[li].astype(dt), v_all[li].astype(dt)
     a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk)
     a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
     x = x + a
@@ -204,25 +207,25 @@ class Qwen3(nnx.Module):
 
     graphdef, layer_state = nnx.split(self.layers)
 
-    def body(x, xs):
-      state, kv = xs
+    def body(carry, xs):
+      x, kv = carry
+      state, li = xs
       layer = nnx.merge(graphdef, state)
-      x, new_kv = layer(x, positions, mask, cfg, kv=kv, write_index=positions)
-      return x, new_kv
+      x, new_kv = layer(x, positions, mask, cfg,
+                        kv=None if kv is None else (*kv, li), write_index=positions)
+      return (x, new_kv), None
 
     if cfg.remat_policy != "none":
       body = jax.checkpoint(body, policy=_remat_policy(cfg.remat_policy),
                             prevent_cse=not cfg.scan_layers)
-    kv_xs = None if cache is None else (cache["k"], cache["v"])
+    carry = (x, None if cache is None else (cache["k"], cache["v"]))
+    layer_ids = jnp.arange(cfg.num_hidden_layers)
     if cfg.scan_layers:
-      x, new_kv = jax.lax.scan(body, x, (layer_state, kv_xs))
+      (x, new_kv), _ = jax.lax.scan(body, carry, (layer_state, layer_ids))
     else:
-      outs = []
       for i in range(cfg.num_hidden_layers):
-        xs_i = jax.tree.map(lambda a: a[i], (layer_state, kv_xs))
-        x, kv_i = body(x, xs_i)
-        outs.append(kv_i)
-      new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        carry, _ = body(carry, jax.tree.map(lambda a: a[i], (layer_state, layer_ids)))
+      x, new_kv = carry
     x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
     new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
     return x, new_cache
@@ -315,7 +318,14 @@ def forward_logits(model: Qwen3, tokens, positions=None, segment_ids=None) -> ja
 
 
 def create_model(cfg: Qwen3Config, seed: int = 0) -> Qwen3:
-  return Qwen3(cfg, rngs=nnx.Rngs(params=seed))
+  """Randomly initialised model. Initialisation runs as ONE jitted function: eagerly,
+  every parameter's random op compiled on its own (~10 s for a tiny model on CPU)."""
+  graphdef, _ = nnx.split(abstract_model(cfg))
+
+  @jax.jit
+  def init(key):
+    return nnx.split(Qwen3(cfg, rngs=nnx.Rngs(params=key)))[1]
+  return nnx.merge(graphdef, init(jax.random.key(seed)))
 
 
 def abstract_model(cfg: Qwen3Config) -> Qwen3:
