@@ -45,6 +45,8 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Sequence
 from absl import logging
 import numpy as np
 
+from rstar_jax.registry import Registry
+
 # One definition of "boxed answer" and "integer answer" for data and reward alike: a
 # problem the integer filter keeps is exactly one the reward compares strictly.
 from rstar_jax.rl.rewards import extract_boxed
@@ -321,23 +323,11 @@ def strip_answer_instructions(text: str) -> str:
 # Math layouts (a registry, so a new public layout is one decorated function).
 
 MathRowParser = Callable[[dict, str, pathlib.Path], MathProblem]
-_LAYOUTS: dict[str, MathRowParser] = {}
+_LAYOUTS: Registry = Registry("math data layout", error=KeyError, hint=" (or 'auto')")
 
 
-def register_layout(name: str):
-  """Registers `fn(row, default_uid, path) -> MathProblem` under `name`."""
-  def wrap(fn: MathRowParser) -> MathRowParser:
-    if name in _LAYOUTS:
-      raise ValueError(f"math data layout {name!r} is already registered")
-    _LAYOUTS[name] = fn
-    return fn
-  return wrap
-
-
-def get_layout(name: str) -> MathRowParser:
-  if name not in _LAYOUTS:
-    raise KeyError(f"unknown math data layout {name!r}; known: {sorted(_LAYOUTS)} (or 'auto')")
-  return _LAYOUTS[name]
+register_layout = _LAYOUTS.register   # fn(row, default_uid, path) -> MathProblem
+get_layout = _LAYOUTS.lookup
 
 
 def _prompt_text(prompt: Any) -> str:

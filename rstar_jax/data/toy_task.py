@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rstar_jax.model import tokenizer as tokenizer_lib
+from rstar_jax.registry import Registry
 from rstar_jax.rollout import chat
 
 NUM_LEVELS = 5
@@ -63,22 +64,9 @@ class ToyProblem:
 
 # A kind maps (rng, level) to (problem text, the expressions of the code, answer).
 KindFn = Callable[[random.Random, int], tuple[str, str, int]]
-_KINDS: dict[str, KindFn] = {}
-
-
-def register(name: str) -> Callable[[KindFn], KindFn]:
-  def deco(fn: KindFn) -> KindFn:
-    if name in _KINDS:
-      raise ValueError(f"toy problem kind {name!r} is already registered")
-    _KINDS[name] = fn
-    return fn
-  return deco
-
-
-def get(name: str) -> KindFn:
-  if name not in _KINDS:
-    raise ValueError(f"unknown toy problem kind {name!r}; known: {sorted(_KINDS)}")
-  return _KINDS[name]
+_KINDS: Registry = Registry("toy problem kind")
+register = _KINDS.register
+get = _KINDS.lookup
 
 
 def kinds() -> tuple[str, ...]:

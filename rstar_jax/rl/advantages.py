@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from rstar_jax.registry import Registry
+
 __all__ = [
     "AdvantageConfig",
     "ESTIMATORS",
@@ -49,25 +51,9 @@ class AdvantageConfig:
 
 
 Estimator = Callable[[np.ndarray, AdvantageConfig], np.ndarray]
-ESTIMATORS: dict[str, Estimator] = {}
-_ALIASES = {"dr-grpo": "dr_grpo"}
-
-
-def register(name: str) -> Callable[[Estimator], Estimator]:
-  def deco(fn: Estimator) -> Estimator:
-    if name in ESTIMATORS:
-      raise ValueError(f"advantage estimator {name!r} is already registered")
-    ESTIMATORS[name] = fn
-    return fn
-  return deco
-
-
-def get(name: str) -> Estimator:
-  try:
-    return ESTIMATORS[_ALIASES.get(name, name)]
-  except KeyError:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: "
-                     f"{sorted(ESTIMATORS)}") from None
+ESTIMATORS: Registry = Registry("advantage estimator", aliases={"dr-grpo": "dr_grpo"})
+register = ESTIMATORS.register
+get = ESTIMATORS.lookup
 
 
 @register("grpo")

@@ -40,6 +40,8 @@ from typing import Callable, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rstar_jax.registry import Registry
+
 __all__ = [
     "LossConfig",
     "LossNormalizer",
@@ -133,24 +135,9 @@ class LossConfig:
 # --- aggregations -------------------------------------------------------------------------
 
 Aggregation = Callable[[Array, Array, LossNormalizer, LossConfig], Array]
-AGGREGATIONS: dict[str, Aggregation] = {}
-
-
-def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
-  def deco(fn: Aggregation) -> Aggregation:
-    if name in AGGREGATIONS:
-      raise ValueError(f"loss aggregation {name!r} is already registered")
-    AGGREGATIONS[name] = fn
-    return fn
-  return deco
-
-
-def get_aggregation(name: str) -> Aggregation:
-  try:
-    return AGGREGATIONS[name]
-  except KeyError:
-    raise ValueError(f"unknown loss aggregation {name!r}; known: "
-                     f"{sorted(AGGREGATIONS)}") from None
+AGGREGATIONS: Registry = Registry("loss aggregation")
+register_aggregation = AGGREGATIONS.register
+get_aggregation = AGGREGATIONS.lookup
 
 
 @register_aggregation("token-mean")

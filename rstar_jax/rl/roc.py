@@ -42,6 +42,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from rstar_jax.registry import Registry
+
 __all__ = [
     "RolloutStats",
     "DownsampleConfig",
@@ -204,23 +206,9 @@ class DownsampleConfig:
 # A down-sampler maps one group's rollouts (more than G of them) to the kept indices.
 Downsampler = Callable[[Sequence[RolloutStats], DownsampleConfig, np.random.Generator],
                        np.ndarray]
-DOWNSAMPLERS: dict[str, Downsampler] = {}
-
-
-def register(name: str) -> Callable[[Downsampler], Downsampler]:
-  def deco(fn: Downsampler) -> Downsampler:
-    if name in DOWNSAMPLERS:
-      raise ValueError(f"down-sampler {name!r} is already registered")
-    DOWNSAMPLERS[name] = fn
-    return fn
-  return deco
-
-
-def get(name: str) -> Downsampler:
-  try:
-    return DOWNSAMPLERS[name]
-  except KeyError:
-    raise ValueError(f"unknown down-sampler {name!r}; known: {sorted(DOWNSAMPLERS)}") from None
+DOWNSAMPLERS: Registry = Registry("down-sampler")
+register = DOWNSAMPLERS.register
+get = DOWNSAMPLERS.lookup
 
 
 def _split(group: Sequence[RolloutStats]) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ import itertools
 import time
 from typing import Any, Callable, Protocol, Sequence
 
+from rstar_jax.registry import Registry
 from rstar_jax.rollout.jax_engine import GenerationRequest, GenerationResult
 
 
@@ -29,20 +30,12 @@ class EngineLike(Protocol):
 
 
 Policy = Callable[[Sequence[Any], GenerationRequest], int]
-POLICIES: dict[str, Callable[[], Policy]] = {}
-
-
-def register(name: str):
-  def deco(factory):
-    POLICIES[name] = factory
-    return factory
-  return deco
+POLICIES: Registry = Registry("scheduling policy")   # name -> factory of a Policy
+register = POLICIES.register
 
 
 def get_policy(name: str) -> Policy:
-  if name not in POLICIES:
-    raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(POLICIES)}")
-  return POLICIES[name]()
+  return POLICIES.lookup(name)()
 
 
 @register("kv_capacity")
