@@ -1,0 +1,330 @@
+"""Async client for one or many sandbox servers, plus a small sync wrapper.
+
+    async with SandboxClient(["http://127.0.0.1:8321"]) as client:
+      results = await client.execute([{"code": "print(1+1)"}, Call(code="1/0")])
+
+* Calls are sent in batches (one POST per `batch_size` calls); results come back
+  in the order of the calls.
+* At most `max_concurrency` calls are in flight from this client at once.
+* A batch is retried, with exponential backoff and jitter, only when the server
+  could not be reached or answered 5xx (the server answers 5xx only when it ran
+  nothing). A call that came back with a result is never re-run, and a request
+  timeout is not retried either: it comes back as status internal_error.
+* Load goes to the reachable server with the fewest calls in flight. A server
+  that fails is taken out of rotation and probed on /health every
+  `health_interval_s`; it comes back when healthy.
+* Calls with a `session_id` all go to one server (chosen by a stable hash of the
+  id) and run in order; if that server is down the session restarts elsewhere
+  (its results then say session_new=True).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+import zlib
+from typing import Any, Iterable, Mapping, Sequence
+
+import aiohttp
+
+from sandbox.schema import Call, Result
+
+log = logging.getLogger("sandbox.client")
+
+CallLike = Call | Mapping[str, Any] | str
+
+
+class _Retryable(Exception):
+  pass
+
+
+class _Server:
+  __slots__ = ("url", "up", "retry_at", "inflight", "probe", "failures")
+
+  def __init__(self, url: str):
+    self.url = url.rstrip("/")
+    self.up = True
+    self.retry_at = 0.0
+    self.inflight = 0
+    self.probe: asyncio.Task | None = None
+    self.failures = 0
+
+
+class _Budget:
+  """A counting semaphore that takes several units at once (calls of a batch)."""
+
+  def __init__(self, total: int):
+    self.total = total
+    self.used = 0
+    self.cond = asyncio.Condition()
+
+  async def acquire(self, n: int) -> int:
+    n = min(n, self.total)
+    async with self.cond:
+      await self.cond.wait_for(lambda: self.used + n <= self.total)
+      self.used += n
+    return n
+
+  async def release(self, n: int) -> None:
+    async with self.cond:
+      self.used -= n
+      self.cond.notify_all()
+
+
+class SandboxClient:
+  """Talks to sandbox servers at `urls` (e.g. ["http://127.0.0.1:8321"]).
+
+  Create and use it inside one running event loop.
+  """
+
+  def __init__(self, urls: Sequence[str] | str, *, max_concurrency: int = 64, batch_size: int = 16,
+               max_retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+               request_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
+               health_interval_s: float = 2.0):
+    if isinstance(urls, str):
+      urls = [urls]
+    if not urls:
+      raise ValueError("SandboxClient needs at least one server URL")
+    for u in urls:
+      if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+        raise ValueError(f"SandboxClient: server URL must start with http:// or https://, got {u!r}")
+    for name, value in (("max_concurrency", max_concurrency), ("batch_size", batch_size)):
+      if value < 1:
+        raise ValueError(f"SandboxClient.{name} must be >= 1, got {value}")
+    if max_retries < 0 or backoff_s < 0 or max_backoff_s < 0:
+      raise ValueError("SandboxClient: max_retries, backoff_s and max_backoff_s must be >= 0")
+    self._servers = [_Server(u) for u in urls]
+    self.max_concurrency = max_concurrency
+    self.batch_size = batch_size
+    self.max_retries = max_retries
+    self.backoff_s = backoff_s
+    self.max_backoff_s = max_backoff_s
+    self.health_interval_s = health_interval_s
+    self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+    self._http: aiohttp.ClientSession | None = None
+    self._budget = _Budget(max_concurrency)
+    self._rr = 0
+
+  @property
+  def urls(self) -> list[str]:
+    return [s.url for s in self._servers]
+
+  def servers_up(self) -> list[str]:
+    return [s.url for s in self._servers if s.up]
+
+  async def __aenter__(self) -> "SandboxClient":
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    await self.close()
+
+  async def close(self) -> None:
+    for s in self._servers:
+      if s.probe is not None:
+        s.probe.cancel()
+    if self._http is not None:
+      await self._http.close()
+      self._http = None
+
+  def _session(self) -> aiohttp.ClientSession:
+    if self._http is None or self._http.closed:
+      # trust_env=False: never route through a proxy from the environment.
+      self._http = aiohttp.ClientSession(
+          timeout=self._timeout, trust_env=False,
+          connector=aiohttp.TCPConnector(limit=0))
+    return self._http
+
+  # -- public API -------------------------------------------------------------
+  async def execute(self, calls: Iterable[CallLike]) -> list[Result]:
+    """Runs `calls` (Call, mapping with Call's fields, or code string); same order back."""
+    calls = [Call.from_obj(c, where=f"calls[{i}]") for i, c in enumerate(calls)]
+    self._session()
+    results: list[Result | None] = [None] * len(calls)
+    chunks: list[list[int]] = []
+    by_session: dict[str, list[int]] = collections.OrderedDict()
+    plain: list[int] = []
+    for i, c in enumerate(calls):
+      if c.session_id is None:
+        plain.append(i)
+      else:
+        by_session.setdefault(c.session_id, []).append(i)
+    chunks += [plain[k:k + self.batch_size] for k in range(0, len(plain), self.batch_size)]
+    chunks += list(by_session.values())  # one request per session keeps its calls in order
+    await asyncio.gather(*(self._run_chunk(idx, calls, results) for idx in chunks))
+    return results  # type: ignore[return-value]
+
+  async def run(self, code: str, *, input: str = "", timeout: float | None = None,
+                session_id: str | None = None) -> Result:
+    """One call."""
+    return (await self.execute([Call(code=code, input=input, timeout=timeout,
+                                     session_id=session_id)]))[0]
+
+  async def close_session(self, session_id: str) -> bool:
+    """Frees a session's state on its server; False when it was not open there."""
+    server = await self._pick(session_id)
+    if server is None:
+      return False
+    async with self._session().post(f"{server.url}/sessions/close",
+                                    json={"session_ids": [session_id]}) as resp:
+      data = await resp.json()
+    return session_id in data.get("closed", [])
+
+  async def stats(self) -> dict[str, Any]:
+    """/stats of every server (or the error that came instead)."""
+    out = {}
+    for s in self._servers:
+      try:
+        async with self._session().get(f"{s.url}/stats") as resp:
+          out[s.url] = await resp.json()
+      except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out[s.url] = {"error": repr(e)}
+    return out
+
+  # -- internals --------------------------------------------------------------
+  async def _run_chunk(self, idx: list[int], calls: list[Call], results: list) -> None:
+    payload = {"calls": [calls[i].to_dict() for i in idx]}
+    sid = calls[idx[0]].session_id
+    taken = await self._budget.acquire(len(idx))
+    try:
+      last_error: str = ""
+      for attempt in range(self.max_retries + 1):
+        if attempt:
+          delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+          await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        server = await self._pick(sid)
+        if server is None:
+          last_error = "no sandbox server is reachable"
+          continue
+        server.inflight += len(idx)
+        try:
+          data = await self._post(server, payload)
+        except _Retryable as e:
+          last_error = f"{server.url}: {e}"
+          self._mark_down(server, str(e))
+          continue
+        except asyncio.TimeoutError:
+          # The calls may have run: re-running them is what we promise not to do.
+          self._fill(results, idx, f"request to {server.url} timed out")
+          return
+        finally:
+          server.inflight -= len(idx)
+        got = data.get("results") if isinstance(data, dict) else None
+        if not isinstance(got, list) or len(got) != len(idx):
+          self._fill(results, idx, f"malformed answer from {server.url}: {str(data)[:200]}")
+          return
+        for i, r in zip(idx, got):
+          res = Result.from_dict(r)
+          res.server = server.url
+          results[i] = res
+        server.failures = 0
+        return
+      self._fill(results, idx, f"gave up after {self.max_retries + 1} attempts: {last_error}")
+    finally:
+      await self._budget.release(taken)
+
+  async def _post(self, server: _Server, payload: dict) -> Any:
+    try:
+      async with self._session().post(f"{server.url}/execute", json=payload) as resp:
+        if resp.status >= 500:
+          raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        if resp.status != 200:
+          raise ValueError(f"sandbox server {server.url} rejected the request "
+                           f"(HTTP {resp.status}): {(await resp.text())[:500]}")
+        return await resp.json()
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+      raise _Retryable(f"{type(e).__name__}: {e}") from None
+
+  @staticmethod
+  def _fill(results: list, idx: list[int], message: str) -> None:
+    for i in idx:
+      results[i] = Result.internal_error(message)
+
+  def _mark_down(self, server: _Server, why: str) -> None:
+    if server.up:
+      log.warning("sandbox server %s out of rotation: %s", server.url, why)
+    server.up = False
+    server.failures += 1
+    server.retry_at = time.monotonic() + self.health_interval_s
+
+  async def _probe(self, server: _Server) -> None:
+    try:
+      async with self._session().get(f"{server.url}/health",
+                                     timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+        healthy = resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+      healthy = False
+    if healthy:
+      if not server.up:
+        log.info("sandbox server %s back in rotation", server.url)
+      server.up = True
+    else:
+      server.retry_at = time.monotonic() + self.health_interval_s
+    server.probe = None
+
+  async def _pick(self, sid: str | None) -> _Server | None:
+    now = time.monotonic()
+    for s in self._servers:
+      if not s.up and s.probe is None and now >= s.retry_at:
+        s.probe = asyncio.ensure_future(self._probe(s))
+    up = [s for s in self._servers if s.up]
+    if not up:
+      probes = [s.probe for s in self._servers if s.probe is not None]
+      if probes:
+        await asyncio.wait(probes, timeout=3.0)
+      up = [s for s in self._servers if s.up]
+      if not up:
+        return None
+    if sid is not None:
+      h = zlib.crc32(sid.encode())
+      home = self._servers[h % len(self._servers)]
+      return home if home.up else up[h % len(up)]
+    self._rr += 1
+    n = len(up)
+    return min((up[(self._rr + k) % n] for k in range(n)), key=lambda s: s.inflight)
+
+
+class SyncSandboxClient:
+  """Blocking wrapper for notebooks and scripts: runs a SandboxClient on its own loop thread."""
+
+  def __init__(self, urls: Sequence[str] | str, **kwargs: Any):
+    self._loop = asyncio.new_event_loop()
+    self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-client",
+                                    daemon=True)
+    self._thread.start()
+    self._client = self._call(self._make(urls, kwargs))
+
+  @staticmethod
+  async def _make(urls, kwargs) -> SandboxClient:
+    return SandboxClient(urls, **kwargs)
+
+  def _call(self, coro):
+    return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+  def execute(self, calls: Iterable[CallLike]) -> list[Result]:
+    return self._call(self._client.execute(list(calls)))
+
+  def run(self, code: str, **kwargs: Any) -> Result:
+    return self._call(self._client.run(code, **kwargs))
+
+  def close_session(self, session_id: str) -> bool:
+    return self._call(self._client.close_session(session_id))
+
+  def stats(self) -> dict[str, Any]:
+    return self._call(self._client.stats())
+
+  def close(self) -> None:
+    if self._loop.is_closed():
+      return
+    self._call(self._client.close())
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._thread.join()
+    self._loop.close()
+
+  def __enter__(self) -> "SyncSandboxClient":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,596 @@
+"""The supervisor: runs calls on the warm parent, enforces deadlines and output caps.
+
+One `Executor` per server process. It starts `sandbox.worker` (inside bubblewrap
+where possible), then for each call creates the call's pipes, hands them to the
+warm parent over a control socket, reads stdout/stderr as they come, and turns
+what happened into a `Result`:
+
+  * the wall deadline is a timer here: at expiry the worker kills the child's
+    process group and sweeps the call's uid, so nothing it started survives;
+  * stdout/stderr are capped; past the cap the call is killed (output_exceeded);
+  * an admission semaphore keeps at most `max_children` calls running; the rest
+    queue here (they cost nothing until they start).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from typing import Any
+
+from sandbox import isolation
+from sandbox.config import ExecutorConfig
+from sandbox.schema import Call, Result
+from sandbox.stats import Stats
+
+log = logging.getLogger("sandbox")
+
+_GRACE_S = 1.0  # after a call ended, how long stray holders of its pipes may keep them
+_MAX_RECORD = 1 << 20
+
+
+def _memfd(name: str, data: bytes) -> int:
+  fd = os.memfd_create(name, os.MFD_CLOEXEC)
+  view = memoryview(data)
+  while view:
+    view = view[os.write(fd, view):]
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
+
+
+class _Job:
+  __slots__ = ("id", "timeout", "fut", "bufs", "fds", "record", "exit", "timed_out", "exceeded",
+               "kill_sent", "kill_id", "t0", "wall", "handles", "grace", "session", "finished")
+
+  def __init__(self, job_id: int, timeout: float, fut: asyncio.Future):
+    self.id = job_id
+    self.timeout = timeout
+    self.fut = fut
+    self.bufs = {"out": bytearray(), "err": bytearray(), "res": bytearray()}
+    self.fds: dict[int, str] = {}
+    self.record: dict | None = None
+    self.exit: dict | None = None
+    self.timed_out = False
+    self.exceeded: str | None = None
+    self.kill_sent = False
+    self.kill_id = job_id
+    self.t0 = 0.0
+    self.wall = 0.0
+    self.handles: list[asyncio.TimerHandle] = []
+    self.grace = False
+    self.session: _Session | None = None
+    self.finished = False
+
+
+class _Session:
+  __slots__ = ("sid", "sock", "holder_id", "lock", "last_used", "alive", "calls", "job")
+
+  def __init__(self, sid: str, sock: socket.socket, holder_id: int):
+    self.sid, self.sock, self.holder_id = sid, sock, holder_id
+    self.lock = asyncio.Lock()
+    self.last_used = time.monotonic()
+    self.alive = True
+    self.calls = 0
+    self.job: _Job | None = None
+
+
+class Executor:
+  """Runs `Call`s; `await start()` first, `await close()` at the end."""
+
+  def __init__(self, config: ExecutorConfig | None = None):
+    self.config = config or ExecutorConfig()
+    self.stats = Stats()
+    self.isolation = ""
+    self._backend: isolation.Backend | None = None
+    self._ids = itertools.count(1)
+    self._jobs: dict[int, _Job] = {}
+    self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
+    self._holders: dict[int, _Session] = {}
+    self._admission: asyncio.Semaphore | None = None
+    self._queued = 0
+    self._running = 0
+    self._ctrl: socket.socket | None = None
+    self._proc: asyncio.subprocess.Process | None = None
+    self._ready: asyncio.Event | None = None
+    self._ready_info: dict = {}
+    self._closing = False
+    self._restarts = 0
+    self._tasks: list[asyncio.Task] = []
+    self._uid_base = 0
+    self._started = False
+
+  # -- life cycle -------------------------------------------------------------
+  async def start(self) -> None:
+    cfg = self.config
+    self._admission = asyncio.Semaphore(cfg.max_children)
+    self._ready = asyncio.Event()
+    self._backend = isolation.choose(cfg.isolation)
+    if os.geteuid() == 0:
+      # Above the children (and other busy users of the host), so that deadlines hold;
+      # the worker started below inherits it.
+      try:
+        os.setpriority(os.PRIO_PROCESS, 0, cfg.supervisor_nice)
+      except OSError as e:
+        log.warning("could not set the supervisor's niceness to %d: %s", cfg.supervisor_nice, e)
+    # A random uid range per server: two servers on one host never share a uid,
+    # so neither RLIMIT_NPROC nor a uid sweep of one can touch the other.
+    self._uid_base = random.SystemRandom().randrange(1 << 20, 1 << 30) & ~0xFFF
+    await self._spawn()
+    self._started = True
+    self._tasks.append(asyncio.ensure_future(self._reap_sessions()))
+
+  async def _spawn(self) -> None:
+    cfg = self.config
+    loop = asyncio.get_running_loop()
+    self._ready.clear()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    work_root = self._backend.setup()
+    worker_cfg = {
+        "ctrl_fd": theirs.fileno(), "uid_base": self._uid_base,
+        "n_slots": cfg.max_children + cfg.pool_size + cfg.max_sessions + 4,
+        "pool_size": cfg.pool_size, "work_root": work_root, "nice": cfg.nice,
+        "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb,
+        "max_open_files": cfg.max_open_files, "max_processes": cfg.max_processes,
+        "preload": list(cfg.preload),
+    }
+    argv, env, cwd = self._backend.command([json.dumps(worker_cfg)], cfg.tmpfs_mb)
+    self._proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
+    theirs.close()
+    mine.setblocking(False)
+    self._ctrl = mine
+    loop.add_reader(mine.fileno(), self._on_ctrl)
+    self._tasks.append(asyncio.ensure_future(self._watch(self._proc, mine)))
+    try:
+      await asyncio.wait_for(self._ready.wait(), cfg.start_timeout)
+    except asyncio.TimeoutError:
+      self._proc.kill()  # its watcher restarts it (after a first successful start)
+      raise RuntimeError(f"sandbox worker not ready after {cfg.start_timeout} s") from None
+    if not self._ready.is_set() or self._proc.returncode is not None:
+      raise RuntimeError(f"sandbox worker exited during start-up (rc={self._proc.returncode}); "
+                         "see its stderr above")
+
+  async def _watch(self, proc: asyncio.subprocess.Process, ctrl: socket.socket) -> None:
+    rc = await proc.wait()
+    if self._ctrl is ctrl:
+      self._drop_ctrl()
+    self._ready.set()  # wakes a start() that waits on a dead worker
+    if self._closing or not self._started:
+      return
+    log.error("sandbox worker exited (rc=%s); failing its calls and restarting", rc)
+    self._fail_all("the sandbox worker process died")
+    self._restarts += 1
+    await asyncio.sleep(min(5.0, 0.2 * self._restarts))
+    if not self._closing:
+      try:
+        await self._spawn()
+      except Exception:  # noqa: BLE001: keep serving errors; the dead worker's watcher retries
+        log.exception("sandbox worker restart failed")
+
+  def _drop_ctrl(self) -> None:
+    if self._ctrl is not None:
+      asyncio.get_running_loop().remove_reader(self._ctrl.fileno())
+      self._ctrl.close()
+      self._ctrl = None
+
+  def _fail_all(self, why: str) -> None:
+    for job in list(self._jobs.values()):
+      if job.exit is None:
+        job.exit = {"internal": why}
+      self._finish(job)
+    for sess in list(self._sessions.values()):
+      self._drop_session(sess)
+
+  async def close(self) -> None:
+    self._closing = True
+    for t in self._tasks:
+      t.cancel()
+    self._fail_all("the sandbox is shutting down")
+    self._drop_ctrl()  # EOF tells the worker to kill its children and exit
+    if self._proc is not None and self._proc.returncode is None:
+      try:
+        await asyncio.wait_for(self._proc.wait(), 5)
+      except asyncio.TimeoutError:
+        self._proc.kill()
+        await self._proc.wait()
+    if self._backend is not None:
+      self._backend.cleanup()
+
+  @property
+  def healthy(self) -> bool:
+    return (self._ready is not None and self._ready.is_set() and self._ctrl is not None
+            and self._proc is not None and self._proc.returncode is None)
+
+  def snapshot(self) -> dict:
+    s = self.stats.snapshot()
+    s.update(isolation=self.isolation, healthy=self.healthy, queue_depth=self._queued,
+             running=self._running, max_children=self.config.max_children,
+             sessions=len(self._sessions), worker_restarts=self._restarts,
+             worker_preload_s=self._ready_info.get("preload_s"))
+    return s
+
+  # -- control socket ---------------------------------------------------------
+  def _on_ctrl(self) -> None:
+    ctrl = self._ctrl
+    while ctrl is not None:
+      try:
+        msg = ctrl.recv(1 << 16)
+      except BlockingIOError:
+        return
+      except OSError:
+        msg = b""
+      if not msg:
+        self._drop_ctrl()
+        return
+      ev = json.loads(msg)
+      kind = ev.get("ev")
+      if kind == "ready":
+        self._ready_info = ev
+        self.isolation = self._backend.level(bool(ev["drop_uid"]))
+        if ev.get("preload_failed"):
+          log.warning("sandbox preload failures: %s", ev["preload_failed"])
+        log.info("sandbox worker ready: isolation=%s preload=%.2fs", self.isolation,
+                 ev.get("preload_s", 0))
+        self._ready.set()
+      elif kind in ("exit", "killed"):
+        self._on_exit(ev)
+
+  def _on_exit(self, ev: dict) -> None:
+    sess = self._holders.pop(ev["id"], None)
+    if sess is not None:
+      job = sess.job
+      self._drop_session(sess)
+    else:
+      job = self._jobs.get(ev["id"])
+    if job is not None and job.exit is None:
+      job.exit = ev
+      if ev["ev"] == "killed":
+        self._finish(job)  # SIGKILL is sent and final; what the pipes hold is drained
+      else:
+        self._maybe_finish(job)
+
+  async def _send(self, sock: socket.socket, msg: dict, fds: list[int]) -> None:
+    data = json.dumps(msg).encode()
+    loop = asyncio.get_running_loop()
+    while True:
+      try:
+        socket.send_fds(sock, [data], fds)
+        return
+      except BlockingIOError:
+        fut = loop.create_future()
+        loop.add_writer(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+        try:
+          await fut
+        finally:
+          loop.remove_writer(sock.fileno())
+
+  def _send_nowait(self, msg: dict) -> None:
+    if self._ctrl is None:
+      return
+    try:
+      self._ctrl.send(json.dumps(msg).encode())
+    except OSError as e:
+      log.warning("could not send %s to the worker: %s", msg, e)
+
+  # -- calls ------------------------------------------------------------------
+  def validate(self, call: Call) -> float:
+    """Checks size limits; returns the effective timeout. Raises ValueError."""
+    cfg = self.config
+    if len(call.code.encode("utf-8", "surrogatepass")) > cfg.max_code_bytes:
+      raise ValueError(f"code is larger than max_code_bytes={cfg.max_code_bytes}")
+    if len(call.input.encode("utf-8", "surrogatepass")) > cfg.max_input_bytes:
+      raise ValueError(f"input is larger than max_input_bytes={cfg.max_input_bytes}")
+    timeout = cfg.default_timeout if call.timeout is None else float(call.timeout)
+    if timeout > cfg.max_timeout:
+      raise ValueError(f"timeout {timeout} exceeds the server's max_timeout={cfg.max_timeout}")
+    return timeout
+
+  async def run(self, call: Call) -> Result:
+    """Runs one call; never raises for anything the code does (see Result.status)."""
+    timeout = self.validate(call)
+    if call.session_id is not None:
+      result = await self._run_in_session(call, timeout)
+    else:
+      result = await self._admitted(call, timeout, None)
+    self.stats.record(result)
+    return result
+
+  async def _admitted(self, call: Call, timeout: float, sess: _Session | None) -> Result:
+    self._queued += 1
+    try:
+      await self._admission.acquire()
+    finally:
+      self._queued -= 1
+    self._running += 1
+    try:
+      return await self._execute(call, timeout, sess)
+    finally:
+      self._running -= 1
+      self._admission.release()
+
+  async def _run_in_session(self, call: Call, timeout: float) -> Result:
+    sess = self._sessions.get(call.session_id)
+    new = sess is None or not sess.alive
+    if new:
+      sess = await self._open_session(call.session_id)
+      if sess is None:
+        return Result.internal_error("the sandbox worker is not running", isolation=self.isolation,
+                                     session_id=call.session_id, session_new=True)
+    async with sess.lock:
+      if not sess.alive:  # died while this call waited for the lock
+        return await self._run_in_session(call, timeout)
+      sess.last_used = time.monotonic()
+      self._sessions.move_to_end(sess.sid)
+      result = await self._admitted(call, timeout, sess)
+      sess.calls += 1
+      sess.last_used = time.monotonic()
+    result.session_id = call.session_id
+    result.session_new = new
+    return result
+
+  async def _open_session(self, sid: str) -> _Session | None:
+    if not self._ready.is_set() or self._ctrl is None:
+      return None
+    while len(self._sessions) >= self.config.max_sessions:
+      victim = next((s for s in self._sessions.values() if not s.lock.locked()), None)
+      if victim is None:
+        break
+      log.info("closing least recently used session %r (max_sessions reached)", victim.sid)
+      self._close_session_obj(victim)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    sess = _Session(sid, mine, next(self._ids))
+    self._sessions[sid] = sess
+    self._holders[sess.holder_id] = sess
+    try:
+      await self._send(self._ctrl, {"op": "session", "id": sess.holder_id}, [theirs.fileno()])
+    except OSError as e:
+      log.warning("could not open session %r: %s", sid, e)
+      self._drop_session(sess)
+      return None
+    finally:
+      theirs.close()
+    return sess
+
+  def _drop_session(self, sess: _Session) -> None:
+    sess.alive = False
+    if self._sessions.get(sess.sid) is sess:
+      del self._sessions[sess.sid]
+    self._holders.pop(sess.holder_id, None)
+    try:
+      sess.sock.close()
+    except OSError:
+      pass
+
+  def _close_session_obj(self, sess: _Session) -> None:
+    try:
+      sess.sock.send(json.dumps({"op": "close"}).encode())
+    except OSError:
+      pass
+    # The holder exits on "close" (or on EOF); its clean exit needs no event.
+    self._holders.pop(sess.holder_id, None)
+    self._drop_session(sess)
+
+  async def close_session(self, sid: str) -> bool:
+    sess = self._sessions.get(sid)
+    if sess is None:
+      return False
+    async with sess.lock:
+      self._close_session_obj(sess)
+    return True
+
+  async def _reap_sessions(self) -> None:
+    ttl = self.config.session_ttl
+    while True:
+      await asyncio.sleep(min(30.0, ttl / 4))
+      now = time.monotonic()
+      for sess in list(self._sessions.values()):
+        if not sess.lock.locked() and now - sess.last_used > ttl:
+          self._close_session_obj(sess)
+
+  async def _execute(self, call: Call, timeout: float, sess: _Session | None) -> Result:
+    loop = asyncio.get_running_loop()
+    if not self.healthy:
+      try:
+        await asyncio.wait_for(self._ready.wait(), self.config.start_timeout)
+      except asyncio.TimeoutError:
+        pass
+      if not self.healthy:
+        return Result.internal_error("the sandbox worker is not running", isolation=self.isolation)
+    job = _Job(next(self._ids), timeout, loop.create_future())
+    job.session = sess
+    send_fds: list[int] = []
+    try:
+      send_fds.append(_memfd("code", call.code.encode("utf-8", "surrogateescape")))
+      send_fds.append(_memfd("stdin", call.input.encode("utf-8", "surrogateescape")))
+      for kind in ("out", "err", "res"):
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        job.fds[r] = kind
+        send_fds.append(w)
+      self._jobs[job.id] = job
+      for fd, kind in job.fds.items():
+        loop.add_reader(fd, self._on_pipe, job, fd)
+      job.t0 = time.monotonic()
+      msg = {"op": "run", "id": job.id, "timeout": timeout}
+      if sess is not None:
+        job.kill_id = sess.holder_id
+        sess.job = job
+        await self._send(sess.sock, msg, send_fds)
+      else:
+        if self._ctrl is None:
+          raise OSError("the sandbox worker is not running")
+        await self._send(self._ctrl, msg, send_fds)
+    except OSError as e:
+      job.exit = {"internal": f"could not hand the call to the worker: {e}"}
+      self._finish(job)
+    finally:
+      for fd in send_fds:
+        os.close(fd)
+    if not job.finished:
+      job.handles.append(loop.call_later(timeout, self._on_deadline, job))
+    try:
+      await job.fut
+    except asyncio.CancelledError:
+      if not job.finished:  # nobody waits for it any more: stop it and free its pipes
+        self._kill(job)
+        self._finish(job)
+      raise
+    finally:
+      if sess is not None:
+        sess.job = None
+    return self._result(job, sess)
+
+  def _on_pipe(self, job: _Job, fd: int) -> None:
+    try:
+      data = os.read(fd, 1 << 16)
+    except BlockingIOError:
+      return
+    except OSError:
+      data = b""
+    if not data:
+      self._close_fd(job, fd)
+      self._maybe_finish(job)
+      return
+    self._take(job, fd, data)
+
+  def _take(self, job: _Job, fd: int, data: bytes) -> None:
+    kind = job.fds[fd]
+    buf = job.bufs[kind]
+    cap = _MAX_RECORD if kind == "res" else self.config.max_output_bytes
+    room = cap - len(buf)
+    if len(data) <= room:
+      buf += data
+      return
+    buf += data[:max(room, 0)]
+    if kind != "res" and job.exceeded is None and not job.timed_out:
+      job.exceeded = kind
+      self._kill(job)
+
+  def _drain(self, job: _Job, fd: int) -> None:
+    """Reads what a pipe already holds, without waiting."""
+    for _ in range(64):
+      try:
+        data = os.read(fd, 1 << 16)
+      except OSError:
+        return
+      if not data:
+        return
+      self._take(job, fd, data)
+
+  def _close_fd(self, job: _Job, fd: int) -> None:
+    if job.fds.pop(fd, None) is not None:
+      asyncio.get_running_loop().remove_reader(fd)
+      os.close(fd)
+
+  def _maybe_finish(self, job: _Job) -> None:
+    if job.finished:
+      return
+    if "res" not in job.fds.values() and job.record is None and job.bufs["res"]:
+      try:
+        job.record = json.loads(bytes(job.bufs["res"]))
+      except ValueError:
+        job.record = None  # a torn record: the exit event decides
+    ended = job.record is not None or job.exit is not None
+    torn = not job.fds and job.record is None and bool(job.bufs["res"])
+    if ended and not job.fds:
+      self._finish(job)
+    elif (ended or torn) and not job.grace:
+      # Something else still holds the call's stdout/stderr (the sweep kills it), or
+      # the record is torn and an exit event may or may not follow: never wait long.
+      job.grace = True
+      job.handles.append(asyncio.get_running_loop().call_later(_GRACE_S, self._finish, job))
+
+  def _finish(self, job: _Job) -> None:
+    if job.finished:
+      return
+    job.finished = True
+    for h in job.handles:
+      h.cancel()
+    for fd in list(job.fds):
+      self._drain(job, fd)
+      self._close_fd(job, fd)
+    if job.record is None and job.bufs["res"]:
+      try:
+        job.record = json.loads(bytes(job.bufs["res"]))
+      except ValueError:
+        pass
+    self._jobs.pop(job.id, None)
+    job.wall = time.monotonic() - job.t0 if job.t0 else 0.0
+    if not job.fut.done():  # cancelled when the HTTP client went away
+      job.fut.set_result(None)
+
+  def _on_deadline(self, job: _Job) -> None:
+    if not job.finished:
+      job.timed_out = True
+      self._kill(job)
+
+  def _kill(self, job: _Job) -> None:
+    if not job.kill_sent:
+      job.kill_sent = True
+      self._send_nowait({"op": "kill", "id": job.kill_id})
+
+  # -- the result -------------------------------------------------------------
+  def _decode(self, job: _Job, kind: str) -> str:
+    text = bytes(job.bufs[kind]).decode("utf-8", "replace")
+    if job.exceeded == kind:
+      text += f"\n[... output truncated: {kind} exceeded {self.config.max_output_bytes} bytes ...]"
+    return text
+
+  def _result(self, job: _Job, sess: _Session | None) -> Result:
+    r = Result(status="ok", stdout=self._decode(job, "out"), stderr=self._decode(job, "err"),
+               wall_time=round(job.wall, 6), isolation=self.isolation,
+               truncated=job.exceeded is not None)
+    rec, ex = job.record, job.exit
+    if rec:
+      r.cpu_time = float(rec.get("cpu_time", 0.0))
+    elif ex:
+      r.cpu_time = float(ex.get("cpu_time", 0.0))
+    r.cpu_time = round(r.cpu_time, 6)
+    if ex and "internal" in ex:
+      r.status, r.error_type, r.error_message = "internal_error", "SandboxError", ex["internal"]
+    elif job.exceeded is not None:
+      stream = "stdout" if job.exceeded == "out" else "stderr"
+      r.status, r.error_type = "output_exceeded", "OutputLimitExceeded"
+      r.error_message = f"{stream} exceeded {self.config.max_output_bytes} bytes; the call was killed"
+    elif job.timed_out:
+      r.status, r.error_type = "timeout", "TimeoutError"
+      r.error_message = f"timed out after {job.timeout:g} s (wall clock); the call was killed"
+    elif rec:
+      r.status = rec["status"]
+      r.exit_code = rec.get("exit_code")
+      for k in ("error_type", "error_line", "error_message", "error_source"):
+        setattr(r, k, rec.get(k))
+    elif ex and "signal" in ex:
+      sig = ex["signal"]
+      if sig == "SIGXCPU":
+        r.status, r.error_type = "timeout", "TimeoutError"
+        r.error_message = f"CPU time limit of {job.timeout:g} s exceeded; the call was killed"
+      else:
+        r.status, r.error_type = "killed", sig
+        r.error_message = f"killed by signal {sig}"
+      r.exit_code = -int(getattr(signal.Signals, sig, 0))
+    elif ex and "exitcode" in ex:
+      code = int(ex["exitcode"])
+      r.exit_code = code
+      if code != 0:
+        r.status, r.error_type = "error", "SystemExit"
+        r.error_message = f"process exited with code {code}"
+    else:
+      r.status, r.error_type = "internal_error", "SandboxError"
+      r.error_message = "the call ended without a result"
+    if sess is not None and r.status in ("timeout", "killed", "output_exceeded", "internal_error"):
+      r.error_message = (r.error_message or "") + "; the session was lost (its state starts afresh)"
+    return r
+
+  def info(self) -> dict[str, Any]:
+    return {"isolation": self.isolation, "max_children": self.config.max_children,
+            "healthy": self.healthy, "queue_depth": self._queued, "running": self._running}

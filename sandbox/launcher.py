@@ -1,0 +1,134 @@
+"""Start a real sandbox server in a subprocess, for tests and notebooks.
+
+    from sandbox.launcher import running_server
+    with running_server(max_children=8) as url:   # e.g. "http://127.0.0.1:40123"
+      ...
+
+The server listens on a free loopback port; the context waits until /health says
+ok and, on exit, terminates the server and kills every process it left behind. If
+the calling process dies without leaving the context (even by SIGKILL), the server
+gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and shuts down by itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Iterator, Sequence
+
+from sandbox.isolation import PKG_DIR
+
+_REPO_ROOT = os.path.dirname(PKG_DIR)
+# No proxies, ever: the server is on this machine.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def health(url: str, timeout: float = 2.0) -> dict | None:
+  """The server's /health answer when it is ok, else None."""
+  try:
+    with _OPENER.open(f"{url}/health", timeout=timeout) as resp:
+      if resp.status == 200:
+        return json.loads(resp.read())
+  except (urllib.error.URLError, OSError, ValueError):
+    pass
+  return None
+
+
+def _descendants(pid: int) -> list[int]:
+  children: dict[int, list[int]] = {}
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/stat", "rb") as f:
+        stat = f.read()
+      ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+      continue
+    children.setdefault(ppid, []).append(int(name))
+  out, todo = [], [pid]
+  while todo:
+    for c in children.get(todo.pop(), []):
+      out.append(c)
+      todo.append(c)
+  return out
+
+
+def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
+  tree = _descendants(proc.pid)
+  if proc.poll() is None:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGTERM)  # graceful: the server stops its worker
+    try:
+      proc.wait(grace)
+    except subprocess.TimeoutExpired:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  for pid in tree + _descendants(proc.pid):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str = "auto",
+                   extra_args: Sequence[str] = (), startup_timeout: float = 120.0,
+                   log_path: str | None = None) -> Iterator[str]:
+  """Runs `python -m sandbox.server` on 127.0.0.1:<free port>; yields its base URL.
+
+  extra_args go to the server's command line (e.g. ["--max-timeout", "30"]).
+  The server's log goes to `log_path` (a temporary file when None; its tail is
+  in the error if the server does not come up).
+  """
+  own_log = log_path is None
+  if own_log:
+    fd, log_path = tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")
+    os.close(fd)
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
+  proc = None
+  try:
+    for _ in range(3):  # the free port may be taken between our probe and the server's bind
+      port = free_port()
+      url = f"http://127.0.0.1:{port}"
+      cmd = [sys.executable, "-m", "sandbox.server", "--host", "127.0.0.1", "--port", str(port),
+             "--max-children", str(max_children), "--pool-size", str(pool_size),
+             "--isolation", isolation, "--parent-pid", str(os.getpid()), *extra_args]
+      with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=_REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+      deadline = time.monotonic() + startup_timeout
+      while time.monotonic() < deadline and proc.poll() is None:
+        if health(url, timeout=1.0) is not None:
+          break
+        time.sleep(0.1)
+      if proc.poll() is None and health(url) is not None:
+        break
+      _kill_tree(proc, 5.0)
+      proc = None
+    if proc is None:
+      with open(log_path, "rb") as f:
+        tail = f.read()[-3000:].decode(errors="replace")
+      raise RuntimeError(f"sandbox server did not become healthy within {startup_timeout} s; "
+                         f"log tail:\n{tail}")
+    yield url
+  finally:
+    if proc is not None:
+      _kill_tree(proc, 10.0)
+    if own_log:
+      with contextlib.suppress(OSError):
+        os.unlink(log_path)

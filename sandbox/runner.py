@@ -1,0 +1,107 @@
+"""Runs one cell of Python source, notebook style, and describes how it ended.
+
+Used inside the sandboxed child; pure Python so it can be tested in-process.
+"""
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+from typing import Any
+
+CELL_FILENAME = "<cell>"
+
+
+def _source_line(source: str, lineno: int | None) -> str | None:
+  if not lineno:
+    return None
+  lines = source.splitlines()
+  if 1 <= lineno <= len(lines):
+    return lines[lineno - 1].strip() or None
+  return None
+
+
+def _user_traceback(tb):
+  """Drops the runner's own frames so the traceback starts at the user's cell."""
+  while tb is not None and tb.tb_frame.f_code.co_filename != CELL_FILENAME:
+    tb = tb.tb_next
+  return tb
+
+
+def _innermost_cell_line(tb) -> int | None:
+  line = None
+  while tb is not None:
+    if tb.tb_frame.f_code.co_filename == CELL_FILENAME:
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return line
+
+
+def _message(error_type: str, line: int | None, text: str) -> str:
+  where = f" at line {line}" if line else ""
+  return f"{error_type}{where}: {text}" if text else f"{error_type}{where}"
+
+
+def _register_source(source: str) -> None:
+  # Lets traceback print the user's lines for frames in <cell>.
+  linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
+
+
+def run_cell(source: str, globals_: dict[str, Any]) -> dict[str, Any]:
+  """Executes `source` in `globals_`; prints the repr of a trailing expression.
+
+  Returns a dict with status ('ok', 'error' or 'memory_exceeded'), exit_code and
+  the error fields of `schema.Result`. Tracebacks go to sys.stderr.
+  """
+  _register_source(source)
+  try:
+    tree = ast.parse(source, CELL_FILENAME, "exec")
+  except (SyntaxError, ValueError) as e:  # ValueError: source contains NUL bytes
+    lineno = getattr(e, "lineno", None)
+    text = getattr(e, "msg", None) or str(e)
+    error_type = type(e).__name__
+    sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+    bad = getattr(e, "text", None)
+    return dict(status="error", exit_code=1, error_type=error_type, error_line=lineno,
+                error_message=_message(error_type, lineno, text),
+                error_source=(bad.strip() or None) if bad else _source_line(source, lineno))
+
+  last = None
+  if tree.body and isinstance(tree.body[-1], ast.Expr):
+    last = ast.Expression(tree.body.pop().value)
+  try:
+    exec(compile(tree, CELL_FILENAME, "exec"), globals_)  # noqa: S102 (that is the job)
+    if last is not None:
+      value = eval(compile(last, CELL_FILENAME, "eval"), globals_)  # noqa: S307
+      if value is not None:
+        print(repr(value))
+    return dict(status="ok", exit_code=0)
+  except SystemExit as e:
+    code = e.code
+    if code is None or code == 0:
+      return dict(status="ok", exit_code=0)
+    line = _innermost_cell_line(e.__traceback__)
+    if isinstance(code, int):
+      exit_code, text = code, str(code)
+    else:  # sys.exit("message") prints it and exits 1, as CPython does
+      sys.stderr.write(f"{code}\n")
+      exit_code, text = 1, str(code)
+    return dict(status="error", exit_code=exit_code, error_type="SystemExit", error_line=line,
+                error_message=_message("SystemExit", line, text),
+                error_source=_source_line(source, line))
+  except BaseException as e:  # noqa: BLE001: anything the cell raises is its result
+    line = _innermost_cell_line(e.__traceback__)
+    error_type = type(e).__name__
+    try:
+      text = str(e)
+    except Exception:  # noqa: BLE001: a hostile __str__ must not kill the report
+      text = "<unprintable exception>"
+    try:
+      sys.stderr.write("".join(traceback.format_exception(type(e), e, _user_traceback(e.__traceback__))))
+    except Exception:  # noqa: BLE001
+      sys.stderr.write(f"{error_type}: {text}\n")
+    status = "memory_exceeded" if isinstance(e, MemoryError) else "error"
+    return dict(status=status, exit_code=1, error_type=error_type, error_line=line,
+                error_message=_message(error_type, line, text),
+                error_source=_source_line(source, line))

@@ -1,0 +1,169 @@
+"""Client behaviour against stub servers: retries, rotation, ordering, no re-runs."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from sandbox.client import SandboxClient
+from sandbox.launcher import free_port
+
+
+class Stub:
+  """A fake sandbox server on 127.0.0.1 whose answers a test scripts."""
+
+  def __init__(self, fail_first: int = 0, status: int = 503, delay: float = 0.0,
+               result_status: str = "ok", port: int | None = None):
+    self.requests = 0
+    self.calls: list[dict] = []
+    self.fail_first, self.status, self.delay = fail_first, status, delay
+    self.result_status = result_status
+    self.port = port
+    self.runner = None
+
+  async def _execute(self, request):
+    self.requests += 1
+    body = await request.json()
+    if self.requests <= self.fail_first:
+      return web.Response(status=self.status, text="scripted failure")
+    if self.delay:
+      await asyncio.sleep(self.delay)
+    self.calls += body["calls"]
+    return web.json_response({"results": [
+        {"status": self.result_status, "stdout": c["code"], "isolation": "stub"} for c in body["calls"]]})
+
+  async def _health(self, request):
+    return web.json_response({"status": "ok"})
+
+  async def start(self) -> str:
+    app = web.Application()
+    app.add_routes([web.post("/execute", self._execute), web.get("/health", self._health)])
+    self.runner = web.AppRunner(app)
+    await self.runner.setup()
+    site = web.TCPSite(self.runner, "127.0.0.1", self.port or 0)
+    await site.start()
+    self.port = self.runner.addresses[0][1]
+    return f"http://127.0.0.1:{self.port}"
+
+  async def stop(self):
+    await self.runner.cleanup()
+
+
+def _calls(n, **kw):
+  return [dict(code=f"c{i}", **kw) for i in range(n)]
+
+
+def test_order_batching_and_dead_server_taken_out():
+  async def main():
+    stub = Stub()
+    good = await stub.start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with SandboxClient([dead, good], batch_size=4, backoff_s=0.01,
+                             health_interval_s=60) as client:
+      results = await client.execute(_calls(40))
+      assert [r.stdout for r in results] == [f"c{i}" for i in range(40)]
+      assert all(r.status == "ok" and r.server == good for r in results)
+      assert client.servers_up() == [good]
+      assert stub.requests == 10  # 40 calls in batches of 4, each run exactly once
+      assert sorted(c["code"] for c in stub.calls) == sorted(f"c{i}" for i in range(40))
+    await stub.stop()
+  asyncio.run(main())
+
+
+def test_5xx_is_retried_with_backoff():
+  async def main():
+    stub = Stub(fail_first=2, status=503)
+    url = await stub.start()
+    async with SandboxClient([url], backoff_s=0.01, health_interval_s=0.0) as client:
+      (r,) = await client.execute(["print(1)"])
+      assert r.status == "ok" and stub.requests == 3 and len(stub.calls) == 1
+    await stub.stop()
+  asyncio.run(main())
+
+
+def test_a_returned_result_is_never_rerun():
+  async def main():
+    stub = Stub(result_status="internal_error")
+    url = await stub.start()
+    async with SandboxClient([url], backoff_s=0.01) as client:
+      rs = await client.execute(_calls(3))
+      assert [r.status for r in rs] == ["internal_error"] * 3
+      assert stub.requests == 1
+    await stub.stop()
+  asyncio.run(main())
+
+
+def test_request_timeout_is_not_retried():
+  async def main():
+    stub = Stub(delay=1.0)
+    url = await stub.start()
+    async with SandboxClient([url], backoff_s=0.01, request_timeout_s=0.3) as client:
+      (r,) = await client.execute(["print(1)"])
+      assert r.status == "internal_error" and "timed out" in r.error_message
+      assert stub.requests == 1
+    await stub.stop()
+  asyncio.run(main())
+
+
+def test_gives_up_with_internal_error_when_nothing_is_reachable():
+  async def main():
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    async with SandboxClient(dead, max_retries=2, backoff_s=0.01, health_interval_s=0.0) as client:
+      rs = await client.execute(_calls(2))
+      assert [r.status for r in rs] == ["internal_error"] * 2
+      assert "gave up after 3 attempts" in rs[0].error_message
+  asyncio.run(main())
+
+
+def test_dead_server_comes_back_into_rotation():
+  async def main():
+    a_port = free_port()
+    b = Stub()
+    b_url = await b.start()
+    a_url = f"http://127.0.0.1:{a_port}"
+    async with SandboxClient([a_url, b_url], batch_size=1, backoff_s=0.01,
+                             health_interval_s=0.1) as client:
+      await client.execute(_calls(4))
+      assert client.servers_up() == [b_url]
+      a = Stub(port=a_port)
+      await a.start()
+      await asyncio.sleep(0.2)
+      for _ in range(20):  # the next picks probe /health and take A back
+        await client.execute(_calls(4))
+        if a.requests:
+          break
+        await asyncio.sleep(0.1)
+      assert a.requests > 0 and set(client.servers_up()) == {a_url, b_url}
+      await a.stop()
+    await b.stop()
+  asyncio.run(main())
+
+
+def test_session_calls_stay_on_one_server_in_order():
+  async def main():
+    stubs = [Stub(), Stub(), Stub()]
+    urls = [await s.start() for s in stubs]
+    async with SandboxClient(urls, batch_size=2) as client:
+      calls = [dict(code=f"s{i}", session_id="abc") for i in range(5)] + _calls(6)
+      rs = await client.execute(calls)
+      assert [r.stdout for r in rs[:5]] == [f"s{i}" for i in range(5)]
+      assert len({r.server for r in rs[:5]}) == 1
+      owner = next(s for s in stubs if any(c["code"] == "s0" for c in s.calls))
+      assert [c["code"] for c in owner.calls if c.get("session_id") == "abc"] == [f"s{i}" for i in range(5)]
+    for s in stubs:
+      await s.stop()
+  asyncio.run(main())
+
+
+def test_bad_input_raises_clear_errors():
+  with pytest.raises(ValueError, match="must start with http"):
+    SandboxClient(["127.0.0.1:80"])
+  with pytest.raises(ValueError, match="at least one server"):
+    SandboxClient([])
+
+  async def main():
+    async with SandboxClient(["http://127.0.0.1:9"]) as client:
+      with pytest.raises(ValueError, match=r"calls\[1\]: missing required field 'code'"):
+        await client.execute(["print(1)", {"input": "x"}])
+  asyncio.run(main())

@@ -1,0 +1,178 @@
+"""Hostile code: each case must be contained and leave the server healthy.
+
+Resource-hungry cases (10 GB allocation, fork bomb, floods) are stopped by
+rlimits of the call's own uid, so they never reach the rest of the machine.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sandbox.launcher import health
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def isolation(server_url):
+  return health(server_url)["isolation"]
+
+
+@pytest.fixture
+def check(run, server_url):
+  """check(code, **fields) -> Result, then asserts the server still answers correctly."""
+  def _check(code, **kw):
+    r = run(code, **kw)
+    assert health(server_url) is not None, "server unhealthy after a hostile call"
+    after = run("print(6 * 7)")
+    assert (after.status, after.stdout) == ("ok", "42\n"), after
+    return r
+  return _check
+
+
+def test_infinite_loop_is_killed_at_its_deadline(check):
+  r = check("while True:\n  pass", timeout=1.0)
+  assert r.status == "timeout" and r.error_type == "TimeoutError"
+  assert 1.0 <= r.wall_time < 2.0  # generous slack; the benchmark reports real lateness
+
+
+def test_32_concurrent_spinners_all_killed_near_deadline(client, run):
+  results = client.execute([{"code": "x = 0\nwhile True:\n  x += 1", "timeout": 1.0}] * 32)
+  assert [r.status for r in results] == ["timeout"] * 32
+  assert max(r.wall_time for r in results) < 2.0
+  assert run("print('fine')").stdout == "fine\n"
+
+
+def test_ignoring_sigterm_does_not_help(check):
+  r = check("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n  pass", timeout=0.5)
+  assert r.status == "timeout"
+
+
+def test_10gb_allocations_hit_the_memory_limit(check):
+  r = check("x = bytearray(10 * 1024**3)")
+  assert (r.status, r.error_type, r.error_line) == ("memory_exceeded", "MemoryError", 1)
+  r = check("import numpy as np\na = np.ones(10 * 1024**3 // 8)")
+  assert r.status == "memory_exceeded" and r.error_line == 2
+  r = check("chunks = []\nwhile True:\n  chunks.append(bytearray(256 * 1024**2))")
+  assert r.status == "memory_exceeded"
+
+
+def test_fork_bomb_is_contained(check, isolation):
+  if isolation == "rlimits":
+    pytest.skip("without an own uid per call RLIMIT_NPROC cannot contain a fork bomb")
+  r = check("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass", timeout=1.0)
+  assert r.status == "timeout"
+  r = check("import os\nwhile True:\n  os.fork()", timeout=2.0)
+  assert r.status in ("error", "killed")  # fork fails (EAGAIN) once the uid's quota is full
+
+
+def test_output_flood_is_capped(check):
+  r = check("while True:\n  print('x' * 1000)", timeout=5.0)
+  assert r.status == "output_exceeded" and r.truncated
+  assert 65536 <= len(r.stdout) < 65536 + 200 and "output truncated" in r.stdout
+  r = check("import sys\nwhile True:\n  sys.stderr.write('e' * 4096)", timeout=5.0)
+  assert r.status == "output_exceeded" and "stderr exceeded" in r.error_message
+
+
+def test_cannot_write_outside_its_tmp(check, isolation):
+  if isolation == "rlimits":
+    pytest.skip("without an own uid per call, calls write what the server's user may write")
+  r = check("open('mine.txt', 'w').write('hi')\nimport os, tempfile\n"
+            "p = os.path.join(tempfile.gettempdir(), 'x')\nopen(p, 'w').write('y')\n"
+            "print(open('mine.txt').read(), os.getcwd() == tempfile.gettempdir())")
+  assert (r.status, r.stdout) == ("ok", "hi True\n")
+  targets = ["/usr/evil.txt", "/etc/passwd", os.path.join(REPO, "evil.txt")]
+  if isolation == "bwrap":  # the host's /tmp is world-writable; bwrap hides it
+    targets.append("/tmp/evil.txt")
+  for target in targets:
+    r = check(f"open({target!r}, 'a').write('pwned')")
+    assert r.status == "error" and r.error_type in ("PermissionError", "OSError"), (target, r)
+  assert not os.path.exists(os.path.join(REPO, "evil.txt"))
+  assert "pwned" not in open("/etc/passwd").read()
+
+
+def test_cannot_read_another_calls_files(client, isolation):
+  if isolation == "rlimits":
+    pytest.skip("without an own uid per call, calls share file permissions")
+  writer = ("import os, time\nopen('secret.txt', 'w').write('s3cret')\n"
+            "print(os.path.abspath('secret.txt'), flush=True)\ntime.sleep(2)")
+  reader = ("import os, time\ntime.sleep(0.7)\nroot = os.path.dirname(os.getcwd())\nseen = []\n"
+            "for i in range(400):\n  p = os.path.join(root, str(i), 'secret.txt')\n"
+            "  try:\n    seen.append(open(p).read())\n  except OSError:\n    pass\n"
+            "try:\n  os.listdir(root)\n  print('listed')\nexcept OSError:\n  pass\nprint(seen)")
+  w, r = client.execute([{"code": writer}, {"code": reader}])
+  assert w.status == "ok" and w.stdout.strip().endswith("secret.txt")
+  assert (r.status, r.stdout) == ("ok", "[]\n")
+  # After the writer ended its file is gone (or at least unreadable) for everyone else.
+  path = w.stdout.strip()
+  late = client.execute([{"code": f"open({path!r}).read()"}])[0]
+  assert late.status == "error" and late.error_type in ("FileNotFoundError", "PermissionError")
+
+
+def test_no_network(check, server_url, isolation):
+  if isolation != "bwrap":
+    pytest.skip("only bwrap gives calls their own (empty) network namespace")
+  port = int(server_url.rsplit(":", 1)[1])
+  r = check(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+  assert r.status == "error" and r.error_type in ("ConnectionRefusedError", "OSError", "TimeoutError")
+  r = check("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "s.sendto(b'x', ('127.0.0.1', 53))\nprint('local only')")
+  # The sandbox has only its own loopback: whatever is sent stays there.
+  assert r.status in ("ok", "error")
+
+
+def test_cannot_kill_the_parent_or_the_server(check, isolation):
+  if isolation == "rlimits":
+    pytest.skip("without an own uid per call the parent is the same user")
+  r = check("import os\nos.kill(os.getppid(), 9)")
+  assert r.status == "error" and r.error_type == "PermissionError"
+  r = check("import os\nos.kill(1, 9)")
+  assert r.status == "error" and r.error_type == "PermissionError"
+  r = check("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('still here')")
+  assert r.status == "ok" and r.stdout == "still here\n"
+
+
+def test_processes_and_threads_do_not_outlive_the_call(check, run):
+  r = check("import subprocess\np = subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+            "print(p.pid)")
+  assert r.status == "ok"
+  daemon = int(r.stdout)
+  r = check("import os\nif os.fork() == 0:\n  os.setsid()\n  if os.fork() == 0:\n"
+            "    import time\n    time.sleep(30)\n  os._exit(0)\nprint(os.getpid())\nwhile True:\n  pass",
+            timeout=0.5)
+  assert r.status == "timeout"
+  probe = ("import os, time\nfor _ in range(100):\n  try:\n    os.kill({pid}, 0)\n"
+           "  except ProcessLookupError:\n    print('gone')\n    break\n"
+           "  except PermissionError:\n    time.sleep(0.02)\nelse:\n  print('alive')")
+  assert run(probe.format(pid=daemon)).stdout == "gone\n"
+  r = check("import threading, time\nthreading.Thread(target=time.sleep, args=(30,)).start()\n"
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\nprint('started')",
+            timeout=5.0)
+  assert (r.status, r.stdout) == ("ok", "started\n")
+
+
+def test_exits_recursion_and_segfault(check):
+  r = check("def f(n):\n  return f(n + 1)\nf(0)")
+  assert (r.status, r.error_type, r.error_line) == ("error", "RecursionError", 2)
+  # Through map() every level also takes C stack: overflowing it is a segfault.
+  r = check("import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n  return list(map(f, [n + 1]))\n"
+            "f(0)", timeout=10.0)
+  assert (r.status, r.error_type) == ("killed", "SIGSEGV")
+  r = check("import ctypes\nctypes.string_at(0)")
+  assert (r.status, r.error_type) == ("killed", "SIGSEGV")
+  r = check("import os\nos.abort()")
+  assert (r.status, r.error_type) == ("killed", "SIGABRT")
+
+
+def test_no_state_leaks_between_calls(client, run):
+  assert run("import math\nmath.leaked = 1\nimport json\njson.dumps = None\nprint('set')").stdout == "set\n"
+  r = run("import math, json\nprint(hasattr(math, 'leaked'), json.dumps([1]))")
+  assert r.stdout == "False [1]\n"
+  assert run("y = 5").status == "ok" and run("y").error_type == "NameError"
+  draws = client.execute(["import numpy as np\nprint(np.random.random(), np.random.randint(10**9))",
+                          "import numpy as np\nprint(np.random.random(), np.random.randint(10**9))",
+                          "import random\nprint(random.random())", "import random\nprint(random.random())"])
+  assert all(d.status == "ok" for d in draws)
+  assert draws[0].stdout != draws[1].stdout and draws[2].stdout != draws[3].stdout
