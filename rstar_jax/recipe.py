@@ -125,7 +125,11 @@ def initial_model(config, tokenizer, mesh):
   mc = config.model
   if mc.get("hf_dir"):
     return hf_io.load_hf(mc.hf_dir, mesh=mesh, **model_overrides(config))
-  cfg = config_utils.model_config(dict(preset=mc.preset, **model_overrides(config)))
+  # Every other key of config.model (hidden_size, num_hidden_layers, ...) overrides the
+  # preset; unset placeholders are None and keep the preset's value.
+  arch = {k: v for k, v in config_utils.to_dict(mc).items()
+          if k not in ("hf_dir", "vocab_size", "preset") and v is not None and v != ""}
+  cfg = config_utils.model_config(dict(preset=mc.preset, **arch))
   vocab = mc.vocab_size or tokenizer.vocab_size
   if vocab < tokenizer.vocab_size:
     raise config_utils.ConfigError(f"config.model.vocab_size={vocab} is smaller than the "

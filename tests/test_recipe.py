@@ -15,7 +15,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
-    "--config.model.preset=tiny", "--config.data.toy_train_problems=64",
+    "--config.model.preset=tiny", "--config.model.hidden_size=64",
+    "--config.model.intermediate_size=128", "--config.model.head_dim=16",
+    "--config.rl.drop_equal_reward_groups=False", "--config.data.toy_train_problems=64",
     "--config.data.toy_eval_problems=4", "--config.sft.num_traces=64",
     "--config.sft.epochs=1", "--config.sft.rows_per_step=4", "--config.sft.seq_len=256",
     "--config.sft.eval_every=5", "--config.rl.prompts_per_step=2",

@@ -36,9 +36,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 def build_batch(trajs: Sequence[TokenTrajectory], advantages: Sequence[float], *,
                 row_multiple: int = 1, length_multiple: int = 64, max_len: int | None = None,
-                pad_id: int = 0, pow2_lengths: bool = True) -> dict[str, np.ndarray]:
-  """Pads to [N, T]; N rounded up to `row_multiple` with all-padding rows (loss mask 0,
-  so they change nothing). T is rounded up to a power of two (at least
+                pad_id: int = 0, pow2_lengths: bool = True,
+                pow2_rows: bool = False) -> dict[str, np.ndarray]:
+  """Pads to [N, T]; N rounded up to `row_multiple` (times a power of two with
+  `pow2_rows`) with all-padding rows (loss mask 0, so they change nothing). T is rounded up to a power of two (at least
   `length_multiple`), or to a multiple of `length_multiple` with pow2_lengths=False:
   every distinct T is a fresh compile of the train step."""
   if len(trajs) != len(advantages):
@@ -56,6 +57,8 @@ def build_batch(trajs: Sequence[TokenTrajectory], advantages: Sequence[float], *
       raise ValueError(f"a trajectory has {max(seq_lens) + 1} tokens > max_len {max_len}")
     t_len = min(t_len, max_len)
   n = _round_up(len(trajs), row_multiple)
+  if pow2_rows:
+    n = row_multiple * (1 << (n // row_multiple - 1).bit_length())
   out = {
       "input_ids": np.full((n, t_len), pad_id, np.int32),
       "target_ids": np.full((n, t_len), pad_id, np.int32),

@@ -46,6 +46,9 @@ class RLConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 3
   length_multiple: int = 64        # pad T to a multiple (fewer recompiles)
+  # Pad the row count to a power of two: with dropped groups the number of kept
+  # trajectories varies per step and every distinct count would be a fresh compile.
+  pow2_rows: bool = True
   scheduler_policy: str = "kv_capacity"
 
   def __post_init__(self):
@@ -200,6 +203,7 @@ class RLTrainer:
                                        self.mesh.shape["data"] * self.mesh.shape["fsdp"])
     arrays = batching.build_batch([t.token_trajectory() for t in trajs], adv_flat,
                                   row_multiple=rows, length_multiple=setup.rl.length_multiple,
+                                  pow2_rows=setup.rl.pow2_rows,
                                   pad_id=self.tok.pad_id)
     t1 = time.perf_counter()
     if self.logprob_fn is not None:

@@ -173,4 +173,11 @@ async def run_many(engine: Engine, tools: ToolExecutor, proto: chat.ChatProtocol
     if progress is not None:
       progress(t)
     return t
-  return list(await asyncio.gather(*(one(i) for i in range(len(problems)))))
+  try:
+    return list(await asyncio.gather(*(one(i) for i in range(len(problems)))))
+  finally:
+    # Callers run this in a fresh asyncio.run per batch: connections must close
+    # with their loop rather than leak (aiohttp's "Unclosed client session").
+    release = getattr(tools, "release_loop", None)
+    if release is not None:
+      await release()

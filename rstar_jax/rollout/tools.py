@@ -42,6 +42,12 @@ class SandboxTools:
         [Call(code=c.code, input=c.input or "", timeout=self.timeout_s) for c in calls])
     return [r.to_dict() for r in results]
 
+  async def release_loop(self) -> None:
+    """Closes the running loop's client (its HTTP connections) before the loop ends."""
+    client = self._clients.pop(id(asyncio.get_running_loop()), None)
+    if client is not None:
+      await client.close()
+
   async def aclose(self) -> None:
     for c in self._clients.values():
       await c.close()

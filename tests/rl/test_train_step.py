@@ -116,6 +116,18 @@ def test_build_batch_aligns_targets_masks_and_logprobs():
                              response_logprobs=[0])
 
 
+def test_build_batch_pow2_rows_pads_counts_to_few_shapes():
+  t = batching.TokenTrajectory(prompt_ids=[1, 2], response_ids=[3, 4], response_mask=[1, 1],
+                               response_logprobs=[-1, -1])
+  rows = {k: batching.build_batch([t] * k, [1.0] * k, row_multiple=2, pow2_rows=True)
+          for k in (1, 2, 3, 5, 9, 16, 17)}
+  assert {k: b["input_ids"].shape[0] for k, b in rows.items()} == {
+      1: 2, 2: 2, 3: 4, 5: 8, 9: 16, 16: 16, 17: 32}
+  b = rows[5]
+  assert b["loss_mask"][:5].sum() == 10 and b["loss_mask"][5:].sum() == 0
+  assert (b["advantages"][5:] == 0).all()
+
+
 def test_warmup_constant_schedule():
   sched = optim.make_schedule(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=20))
   assert np.isclose(sched(0), 1e-6 / 20) and np.isclose(sched(19), 1e-6)
