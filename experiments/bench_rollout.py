@@ -56,26 +56,6 @@ flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 FLAGS = flags.FLAGS
 
 
-def random_model(cfg, seed: int = 0):
-  """A random Qwen3 from numpy (`qwen3.create_model` compiles one eager op per shape,
-  which costs seconds of CPU for nothing here). Norm weights are ones."""
-  from flax import nnx
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  from rstar_jax.model import qwen3
-
-  graphdef, state = nnx.split(qwen3.abstract_model(cfg))
-  rng = np.random.RandomState(seed)
-
-  def init(path, x):
-    if "norm" in jax.tree_util.keystr(path):
-      return jnp.ones(x.shape, x.dtype)
-    return jnp.asarray((cfg.initializer_range * rng.standard_normal(x.shape)).astype(x.dtype))
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, state))
-
-
 class JitTimer:
   """Wraps the engine's jitted `_prefill` / `_decode` to time each call to completion.
 
@@ -115,7 +95,6 @@ class JitTimer:
 
 
 def bench_generate():
-  import jax
   import jax.numpy as jnp
   import numpy as np
   import torch
@@ -129,7 +108,7 @@ def bench_generate():
     torch.set_num_threads(FLAGS.threads)
   overrides = {"vocab_size": FLAGS.vocab} if FLAGS.vocab else {}
   cfg = model_config.get_preset(FLAGS.preset, **overrides)
-  model = random_model(cfg)
+  model = qwen3.create_model(cfg)
   tmp = tempfile.mkdtemp(prefix="bench_rollout_")
   hf_io.save_hf(model, tmp, dtype="float32")
   tmodel = transformers.Qwen3ForCausalLM.from_pretrained(
@@ -267,7 +246,7 @@ def bench_agent():
   import numpy as np
 
   from rstar_jax.data import toy_task
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import config as model_config, qwen3
   from rstar_jax.rollout import chat
   from rstar_jax.rollout.agent_loop import AgentConfig, run_many
   from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
@@ -278,7 +257,7 @@ def bench_agent():
   tok = toy_task.train_toy_tokenizer(1024)
   proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
   cfg = model_config.get_preset(FLAGS.preset, vocab_size=tok.vocab_size)
-  model = random_model(cfg, seed=1)
+  model = qwen3.create_model(cfg, seed=1)
   ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len)
   engine = JaxEngine(model, ecfg)
   acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)

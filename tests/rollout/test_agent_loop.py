@@ -391,25 +391,12 @@ class ForcedFirstTurn:
     return out
 
 
-def random_model(cfg: Qwen3Config, seed: int = 0) -> qwen3.Qwen3:
-  """A random Qwen3 initialised from numpy: `qwen3.create_model` spends ~10 s of CPU
-  compiling one eager random op per parameter shape, 30x what this takes."""
-  graphdef, state = nnx.split(qwen3.abstract_model(cfg))
-  rng = np.random.RandomState(seed)
-
-  def init(path, x):
-    if "norm" in jax.tree_util.keystr(path):
-      return jnp.ones(x.shape, x.dtype)
-    return jnp.asarray((cfg.initializer_range * rng.standard_normal(x.shape)).astype(x.dtype))
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, state))
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tok):
   cfg = Qwen3Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=8, initializer_range=0.3, rope_theta=10_000.0)
-  return random_model(cfg)
+  return qwen3.create_model(cfg)
 
 
 def run_real(tiny_model, tok, proto, url, problems, engines_slots, cfg, seeds):
