@@ -92,13 +92,29 @@ def chat_config(config) -> chat.ChatConfig:
   return chat.ChatConfig()
 
 
+def toy_levels_kinds(config) -> tuple[list[int], list[str] | None]:
+  """config.data.toy_levels / toy_kinds (comma lists; no kinds: all of them)."""
+  dc = config.data
+  try:
+    levels = [int(x) for x in _csv(dc.toy_levels)]
+  except ValueError as e:
+    raise config_utils.ConfigError(f"config.data.toy_levels={dc.toy_levels!r}: {e}") from e
+  kinds = _csv(dc.get("toy_kinds", "")) or None
+  unknown = sorted(set(kinds or ()) - set(toy_task.kinds()))
+  if unknown:
+    raise config_utils.ConfigError(f"config.data.toy_kinds: unknown {unknown}; known "
+                                   f"{list(toy_task.kinds())}")
+  return levels, kinds
+
+
 def load_problems(config) -> tuple[list, list]:
   dc = config.data
   if dc.kind == "toy":
-    levels = [int(x) for x in _csv(dc.toy_levels)]
-    train = toy_task.generate_problems(dc.toy_train_problems, seed=config.seed, levels=levels)
+    levels, kinds = toy_levels_kinds(config)
+    train = toy_task.generate_problems(dc.toy_train_problems, seed=config.seed, levels=levels,
+                                       kinds=kinds)
     evals = toy_task.generate_problems(dc.toy_eval_problems, seed=config.seed + 10_000,
-                                       levels=levels)
+                                       levels=levels, kinds=kinds)
     as_math = lambda ps, tag: [math_data.MathProblem(uid=f"{tag}{i}", problem=p.problem,
                                                      answer=str(p.answer), source="toy",
                                                      meta={"level": p.level, "kind": p.kind})
@@ -164,8 +180,9 @@ def run_sft(ctx: Context, model):
   sc = c.sft
   workdir = os.path.join(ctx.workdir, "sft")
   if c.data.kind == "toy" and not _csv(sc.files):
+    levels, kinds = toy_levels_kinds(c)
     problems = toy_task.generate_problems(sc.num_traces, seed=c.seed + 20_000,
-                                          levels=[int(x) for x in _csv(c.data.toy_levels)])
+                                          levels=levels, kinds=kinds)
     traces = toy_task.make_traces(problems, seed=c.seed + 1, config=toy_task.TraceConfig(
         bug_share=sc.bug_share, no_tool_share=sc.no_tool_share), chat_config=ctx.proto.config)
     rendered = [toy_task.render_trace(ctx.proto, t) for t in traces]
@@ -304,14 +321,17 @@ def run_eval(ctx: Context, model, name: str):
   e = ctx.config.eval
   engine, pool = _engine(ctx, model)
   try:
-    report, _ = eval_lib.evaluate(pool, ctx.tools, ctx.proto, ctx.tokenizer,
-                                  ctx.eval_problems, k=e.k, agent_cfg=eval_agent_config(ctx.config),
-                                  seed=ctx.config.seed + 99, dataset=name)
+    report, trajs = eval_lib.evaluate(pool, ctx.tools, ctx.proto, ctx.tokenizer,
+                                      ctx.eval_problems, k=e.k,
+                                      agent_cfg=eval_agent_config(ctx.config),
+                                      seed=ctx.config.seed + 99, dataset=name)
   finally:
     engine.stop()
   path = os.path.join(ctx.workdir, f"eval_{name}.json")
   with open(path, "w") as f:
     f.write(report.to_json())
+  eval_lib.write_samples(os.path.join(ctx.workdir, f"eval_{name}_samples.jsonl"), trajs,
+                         ctx.eval_problems, ctx.tokenizer)
   return report
 
 
@@ -344,6 +364,9 @@ def run(config, stages: list[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
   stages = stages or ["sft", *RL_STAGES, "eval"]
   reports: dict[str, Any] = {}
+  if config.get("compile_cache", False):
+    config_utils.enable_compile_cache(os.path.join(os.path.abspath(config.workdir),
+                                                   "compile_cache"))
   with sandbox_tools(config) as tools:
     ctx = build_context(config, tools)
     with open(os.path.join(ctx.workdir, "config.json"), "w") as f:

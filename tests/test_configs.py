@@ -53,3 +53,22 @@ def test_wrong_type_override_is_rejected():
 def test_mesh_that_does_not_fit_the_devices_is_rejected():
   with pytest.raises(config_utils.ConfigError, match="multiply to 6 but there are 8 devices"):
     config_utils.mesh_from_config({"data": 1, "fsdp": 3, "tensor": 2})
+
+
+def test_toy_levels_and_kinds_select_the_problems():
+  c = config_utils._load_config_file(os.path.join(REPO, "experiments/configs/toy.py"))
+  with c.unlocked():
+    c.data.toy_levels, c.data.toy_kinds = "1", "product, modpow"
+    c.data.toy_train_problems, c.data.toy_eval_problems = 40, 8
+  train, evals = recipe.load_problems(c)
+  assert len(train) == 40 and len(evals) == 8
+  assert {p.meta["kind"] for p in train} == {"product", "modpow"}
+  assert {p.meta["level"] for p in train + evals} == {1}
+  with c.unlocked():
+    c.data.toy_kinds = "product,cube"
+  with pytest.raises(config_utils.ConfigError, match=r"toy_kinds: unknown \['cube'\]"):
+    recipe.load_problems(c)
+  with c.unlocked():
+    c.data.toy_kinds, c.data.toy_levels = "", "1,two"
+  with pytest.raises(config_utils.ConfigError, match="toy_levels='1,two'"):
+    recipe.load_problems(c)

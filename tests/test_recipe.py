@@ -64,6 +64,12 @@ def test_two_step_recipe_end_to_end(recipe_dir):
   assert all("train/loss" in r and "rollout/reward_mean" in r for r in rows)
   report = json.load(open(os.path.join(workdir, "eval_final.json")))
   assert report["temperature"] == 1.0 and report["samples_per_problem"] == 2
+  samples = _metrics(os.path.join(workdir, "eval_final_samples.jsonl"))
+  assert len(samples) == 4 * 2   # 4 eval problems x k=2, one line each
+  assert {s["uid"].rpartition("#")[0] for s in samples} == {f"toy-eval-{i}" for i in range(4)}
+  assert all(s["problem"].startswith("What is") and s["answer"] and s["reward"] in (0.0, 1.0)
+             and s["response"] for s in samples)
+  assert os.listdir(os.path.join(workdir, "compile_cache"))   # persistent XLA cache in use
   assert "temperature 1.0" in log and "pass@1" in log
   assert os.path.getsize(os.path.join(workdir, "rl_progress.png")) > 1000
   sft = _metrics(os.path.join(workdir, "sft", "metrics_sft.jsonl"))

@@ -14,6 +14,7 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.workdir = "/tmp/rstar2_14b"
+  c.compile_cache = True  # <workdir>/compile_cache: later stages and restarts skip compiles
   # 64 devices: FSDP across all of them; see experiments/plan_memory.py for the fit.
   c.mesh = dict(enabled=True, data=1, fsdp=-1, tensor=1)
 
@@ -21,7 +22,7 @@ def get_config():
                  vocab_size=0, param_dtype="float32", dtype="bfloat16",
                  remat_policy="full", attention_impl="chunked")
   c.tokenizer = dict(kind="hf", path=config_dict.placeholder(str), vocab_size=0)
-  c.data = dict(kind="files", toy_levels="", toy_train_problems=0, toy_eval_problems=0,
+  c.data = dict(kind="files", toy_levels="", toy_kinds="", toy_train_problems=0, toy_eval_problems=0,
                 train_files="", eval_files="", integer_only=True, on_error="skip")
   c.sandbox = dict(urls="", max_children=64, timeout_s=10.0)
 

@@ -15,6 +15,8 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.workdir = "/tmp/rstar_toy"
+  # XLA executables in <workdir>/compile_cache: later stages reuse the earlier ones'.
+  c.compile_cache = True
   c.mesh = dict(enabled=False, data=1, fsdp=-1, tensor=1)
 
   # 2 layers x 128: as good per SFT step as the 4 x 256 `small` preset on this task
@@ -24,9 +26,10 @@ def get_config():
                  attention_impl="xla",
                  # Architecture fields override the preset (a key set to None keeps it).
                  hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-  c.tokenizer = dict(kind="toy", path=config_dict.placeholder(str), vocab_size=1024)
-  c.data = dict(kind="toy", toy_levels="1,2", toy_train_problems=2000,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                 tie_word_embeddings=True)
+  c.tokenizer = dict(kind="toy", path=config_dict.placeholder(str), vocab_size=2048)
+  c.data = dict(kind="toy", toy_levels="1,2", toy_kinds="", toy_train_problems=2000,
                 toy_eval_problems=64, train_files="", eval_files="", integer_only=True,
                 on_error="raise")
   c.sandbox = dict(urls="", max_children=2, timeout_s=5.0)
@@ -36,23 +39,23 @@ def get_config():
                learning_rate=3e-3, warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0,
                heldout_share=0.05, eval_every=50, checkpoint_every=200)
 
-  c.engine = dict(num_slots=64, max_len=512)
+  c.engine = dict(num_slots=64, max_len=384)
   # drop_equal_reward_groups: with a sparse reward most groups carry no signal; an
   # update from them alone still moves the weights through Adam's momentum.
   c.rl = dict(prompts_per_step=16, samples_per_prompt=8, group_size=4, downsample="roc",
               positive_selection="sample", drop_equal_reward_groups=True,
               advantage="grpo", advantage_eps=1e-6, eps_low=0.2, eps_high=0.28,
               dual_clip_c=0.0, aggregation="token-mean", kl_coef=0.0,
-              learning_rate=1e-4, warmup_steps=3, weight_decay=0.01, grad_clip_norm=1.0,
+              learning_rate=3e-4, warmup_steps=3, weight_decay=0.01, grad_clip_norm=1.0,
               micro_batches=1, logprob_chunk=512, old_logprobs="sampler",
               temperature=1.0, top_p=1.0, checkpoint_every=10, length_multiple=64,
               scheduler_policy="kv_capacity")
-  c.stage1 = dict(num_steps=20, max_response_tokens=256, max_turns=4, hard_only=False,
+  c.stage1 = dict(num_steps=12, max_response_tokens=192, max_turns=4, hard_only=False,
                   hard_k=4, hard_pool=0, reset_optimizer=False)
-  c.stage2 = dict(num_steps=8, max_response_tokens=320, max_turns=4, hard_only=False,
+  c.stage2 = dict(num_steps=4, max_response_tokens=256, max_turns=4, hard_only=False,
                   hard_k=4, hard_pool=0, reset_optimizer=False)
-  c.stage3 = dict(num_steps=8, max_response_tokens=320, max_turns=6, hard_only=True,
+  c.stage3 = dict(num_steps=4, max_response_tokens=256, max_turns=6, hard_only=True,
                   hard_k=4, hard_pool=128, reset_optimizer=True)
-  c.eval = dict(after_sft=True, k=4, temperature=1.0, top_p=1.0, max_response_tokens=320,
+  c.eval = dict(after_sft=True, k=4, temperature=1.0, top_p=1.0, max_response_tokens=256,
                 max_turns=6)
   return c

@@ -18,9 +18,9 @@ token ids and loss masks through `ChatProtocol.render_conversation`, the rollout
 own functions, so SFT and RL see identical formats.
 
 Sequences are short: with `toy_chat_config()` and the tokenizer of
-`train_toy_tokenizer()` (byte-level BPE, 544 ids: the corpus has no more merges), a
-whole trace, prompt (~90 tokens) included, is ~195 tokens when clean (169-245), ~107
-without the tool and ~310 with a bug and its fix (default shares: 70/10/20 %).
+`train_toy_tokenizer()` (byte-level BPE, 1637 ids, numbers in chunks of up to 3
+digits), a whole trace over levels 1-5, prompt (~75 tokens) included, is ~161 tokens
+when clean (147-187), ~98 without the tool and ~254 with a bug and its fix (224-303).
 """
 from __future__ import annotations
 
@@ -91,14 +91,14 @@ _FACTOR_DIGITS = {1: (3, 3), 2: (4, 3), 3: (4, 4), 4: (5, 4), 5: (5, 5)}
 def _product(rng: random.Random, level: int) -> tuple[str, str, int]:
   da, db = _FACTOR_DIGITS[level]
   a, b = _num(rng, da), _num(rng, db)
-  return f"What is {a} * {b}?", f"{a} * {b}", a * b
+  return f"What is {a}*{b}?", f"{a}*{b}", a * b
 
 
 @register("sum")
 def _sum(rng: random.Random, level: int) -> tuple[str, str, int]:
-  count, digits = {1: (3, 4), 2: (4, 4), 3: (4, 5), 4: (5, 5), 5: (6, 5)}[level]
+  count, digits = {1: (2, 4), 2: (3, 4), 3: (4, 4), 4: (4, 5), 5: (5, 5)}[level]
   terms = [_num(rng, digits) for _ in range(count)]
-  expr = " + ".join(map(str, terms))
+  expr = "+".join(map(str, terms))
   return f"What is {expr}?", expr, sum(terms)
 
 
@@ -106,18 +106,29 @@ def _sum(rng: random.Random, level: int) -> tuple[str, str, int]:
 def _modpow(rng: random.Random, level: int) -> tuple[str, str, int]:
   da, db, dm = {1: (2, 2, 3), 2: (3, 2, 3), 3: (3, 3, 4), 4: (4, 3, 4), 5: (5, 4, 5)}[level]
   a, b, m = _num(rng, da), _num(rng, db), _num(rng, dm)
-  return f"What is {a}^{b} mod {m}?", f"pow({a}, {b}, {m})", pow(a, b, m)
+  # The code spells the problem's expression out as it stands (not pow(a, b, m)):
+  # see `make_problem`.
+  expr = f"{a}**{b}%{m}"
+  return f"What is {expr}?", expr, pow(a, b, m)
 
 
 @register("digit_sum")
 def _digit_sum(rng: random.Random, level: int) -> tuple[str, str, int]:
   da, db = _FACTOR_DIGITS[level]
   a, b = _num(rng, da), _num(rng, db)
-  return (f"What is the sum of the digits of {a} * {b}?",
-          f"sum(int(d) for d in str({a} * {b}))", sum(int(d) for d in str(a * b)))
+  return (f"What is the sum of the digits of {a}*{b}?",
+          f"sum(int(d) for d in str({a}*{b}))", sum(int(d) for d in str(a * b)))
 
 
 def make_problem(rng: random.Random, kind: str, level: int) -> ToyProblem:
+  """A problem whose code copies the problem's expression verbatim.
+
+  Expressions have no spaces and every number is 1-2 tokens of the toy tokenizer, so
+  copying them into code is a chain of one-token look-ups (the token after the one
+  just copied), which a 2-layer model learns within the toy's SFT budget; with
+  spaces around operators (` * `, a separate " " token before every number) the
+  same look-up is ambiguous and the model copied the wrong number.
+  """
   text, expr, answer = get(kind)(rng, _check_level(level))
   return ToyProblem(problem=text, answer=answer, kind=kind, level=level,
                     code=f"print({expr})")
@@ -371,9 +382,29 @@ def tokenizer_corpus(n: int = 2000, *, seed: int = 0,
   return [conversation_text(t.messages, chat_config) for t in traces]
 
 
-def train_toy_tokenizer(vocab_size: int = 1024, *, n: int = 2000, seed: int = 0,
-                        chat_config: chat.ChatConfig | None = None) -> tokenizer_lib.Tokenizer:
-  """A byte-level BPE for the toy task (a few hundred ms on one core)."""
+def number_chunks() -> list[str]:
+  """Every chunk the number-chunk pre-tokenizer can cut (0-9, 00-99, 000-999), so that
+  each becomes one id whatever the corpus happened to contain."""
+  return [f"{i:0{w}d}" for w in (1, 2, 3) for i in range(10 ** w)]
+
+
+def train_toy_tokenizer(vocab_size: int = 2048, *, n: int = 2000, seed: int = 0,
+                        chat_config: chat.ChatConfig | None = None,
+                        split_digits: bool = False) -> tokenizer_lib.Tokenizer:
+  """A byte-level BPE for the toy task (about a second on one core).
+
+  By default numbers are cut into chunks of up to 3 digits and every chunk is one id
+  (~1100 ids of the vocabulary): copying a number from the problem into the code and
+  from the output into the answer is then copying 1-2 rare tokens, which a 2-layer
+  model learns in a few hundred SFT steps; with Qwen's one-digit split
+  (`split_digits=True`, ~550 ids) it wrote the right digits in the wrong order.
+  """
   corpus = tokenizer_corpus(n, seed=seed, chat_config=chat_config,
                             config=TraceConfig(bug_share=0.3, no_tool_share=0.2))
-  return tokenizer_lib.train_tokenizer(corpus, vocab_size)
+  if split_digits:
+    return tokenizer_lib.train_tokenizer(corpus, vocab_size)
+  chunks = number_chunks()
+  # Twice, to pass the BPE trainer's min_frequency=2.
+  corpus += [" ".join(chunks)] * 2
+  return tokenizer_lib.train_tokenizer(corpus, vocab_size,
+                                       pattern=tokenizer_lib.NUMBER_CHUNK_SPLIT_PATTERN)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 from typing import Sequence
 
 from rstar_jax.data import math_data
@@ -60,3 +62,22 @@ def evaluate(engine, tools, proto, tokenizer, problems, *, k: int,
   report = metrics.compute_report(records_from(trajs), temperature=agent_cfg.temperature,
                                   top_p=agent_cfg.top_p, ks=ks, dataset=dataset)
   return report, trajs
+
+
+def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
+                  problems: Sequence[math_data.MathProblem], tokenizer) -> str:
+  """One JSON line per trajectory: problem, reference answer, the whole response text
+  (tool outputs included), reward and tool counts; for reading what the model did."""
+  by_uid = {p.uid: p for p in problems}
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    for t in trajs:
+      uid = t.uid.rpartition("#")[0]
+      p = by_uid.get(uid)
+      f.write(json.dumps({
+          "uid": t.uid, "problem": p.problem if p else None, "answer": p.answer if p else None,
+          "meta": p.meta if p else {}, "reward": t.reward, "finish_reason": t.finish_reason,
+          "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
+          "response": tokenizer.decode(t.response_ids)}) + "\n")
+  os.replace(tmp, path)
+  return path

@@ -40,10 +40,15 @@ TOOL_TAG_TOKENS = (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START,
 # toy tokenizer we make them single ids because they occur in every trace.
 REASON_TAG_TOKENS = ("<reason>", "</reason>", "<answer>", "</answer>")
 
-# Qwen2/Qwen3's pre-tokenizer split (from their tokenizer.json): digits are split one
-# by one, which lets a small model copy numbers token by token.
+# Qwen2/Qwen3's pre-tokenizer split (from their tokenizer.json): digits one by one.
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# The same with numbers cut into chunks of up to 3 digits from the left (as GPT-4's
+# cl100k does). A tiny model copies a number far more reliably when each chunk is a
+# rare token: with single digits, "the token after the previous 6" matches everywhere.
+NUMBER_CHUNK_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
     r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 

@@ -183,7 +183,7 @@ class RLTrainer:
 
     stats = [[t.rollout_stats() for t in g] for g in groups]
     ds = roc.downsample(stats, setup.downsample, np.random.default_rng([setup.rl.seed, step]))
-    metrics.update({f"roc/{k}": v for k, v in ds.stats.items()})
+    metrics.update(ds.stats)  # keys already carry the "roc/" prefix
     kept = [[g[i] for i in idx] for g, idx in zip(groups, ds.kept)]
     kept = [g for g in kept if g]
     metrics.update(rollout_metrics([t for g in kept for t in g], prefix="kept/"))

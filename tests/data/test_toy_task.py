@@ -20,7 +20,7 @@ def _exec_stdout(code: str) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-  return toy_task.train_toy_tokenizer(1024, n=400, seed=0)
+  return toy_task.train_toy_tokenizer(n=400, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,9 @@ def test_problems_are_seeded_and_answers_correct():
     assert isinstance(p.answer, int)
     row = p.as_row()
     assert row["problem"] == p.problem and int(row["answer"]) == p.answer
+    # The code spells out the problem's expression verbatim (copy-friendly for a tiny model).
+    expr = re.fullmatch(r"What is (?:the sum of the digits of )?(\S+)\?", p.problem).group(1)
+    assert expr in p.code, (p.problem, p.code)
 
 
 def test_levels_make_problems_harder():
@@ -203,8 +206,31 @@ def test_rollout_of_the_trace_reproduces_the_sft_ids(tok, proto, traces):
     assert stats.assistant_turns == 1 + len(t.codes)
 
 
+def test_numbers_are_the_same_chunk_ids_wherever_they_occur(tok):
+  # Copying a number from the problem into the code and from stdout into the answer
+  # must be copying the same ids, whatever precedes the number.
+  chunks = toy_task.number_chunks()
+  assert len(chunks) == 1110
+  assert all(len(tok.encode(c)) == 1 for c in chunks)
+  for n in (7, 42, 905, 1000, 45678, 1000050, 98765432):
+    ids = tok.encode(str(n))
+    assert len(ids) == math.ceil(len(str(n)) / 3)
+    assert tok.decode(ids) == str(n)
+    for context in ("What is {}*3?", "print({}*3)", "stdout: {}\n", "\\boxed{{{}}}",
+                    "The result is {}."):
+      text = context.format(n)
+      got = tok.encode(text)
+      assert any(got[i:i + len(ids)] == ids for i in range(len(got))), (text, got, ids)
+
+
+def test_split_digits_tokenizer_cuts_numbers_into_single_digits():
+  tok = toy_task.train_toy_tokenizer(1024, n=200, seed=0, split_digits=True)
+  pieces = [tok.decode([i]) for i in tok.encode("print(4567)")]
+  assert [p for p in pieces if any(c.isdigit() for c in p)] == ["4", "5", "6", "7"]
+
+
 def test_toy_sequences_are_short(tok, proto, traces):
-  assert tok.vocab_size <= 1024
+  assert tok.vocab_size <= 2048
   for name in ("<|im_start|>", "<tool_call>", "</tool_call>", "<reason>", "</answer>"):
     assert tok.encode(name) == [tok.token_id(name)]
   lengths = {}
