@@ -175,10 +175,10 @@ def export(ctx: Context, model, stage: str) -> str:
 
 
 # ---- stages -------------------------------------------------------------------------
-def run_sft(ctx: Context, model):
+def sft_pairs(ctx: Context) -> list[tuple[list[int], list[int]]]:
+  """(ids, loss_mask) of every SFT conversation: toy traces, or config.sft.files."""
   c = ctx.config
   sc = c.sft
-  workdir = os.path.join(ctx.workdir, "sft")
   if c.data.kind == "toy" and not _csv(sc.files):
     levels, kinds = toy_levels_kinds(c)
     problems = toy_task.generate_problems(sc.num_traces, seed=c.seed + 20_000,
@@ -189,9 +189,16 @@ def run_sft(ctx: Context, model):
   else:
     examples = math_data.load_sft_examples(_csv(sc.files), on_error=c.data.on_error).items
     rendered = [ctx.proto.render_conversation(e.messages) for e in examples]
-  pairs = [(r.ids, r.loss_mask) for r in rendered]
+  return [(r.ids, r.loss_mask) for r in rendered]
+
+
+def sft_trainer_for(ctx: Context, model, workdir: str) -> sft_trainer.SFTTrainer:
+  """The SFT trainer of config.sft (the first heldout_share of the data is held out)."""
+  c = ctx.config
+  sc = c.sft
+  pairs = sft_pairs(ctx)
   n_held = max(1, int(len(pairs) * sc.heldout_share))
-  trainer = sft_trainer.SFTTrainer(
+  return sft_trainer.SFTTrainer(
       sft_trainer.SFTConfig(seed=c.seed, epochs=sc.epochs, seq_len=sc.seq_len,
                             rows_per_step=sc.rows_per_step, eval_every=sc.eval_every,
                             checkpoint_every=sc.checkpoint_every),
@@ -201,6 +208,10 @@ def run_sft(ctx: Context, model):
       ts.StepConfig(micro_batches=sc.micro_batches, logprob_chunk=sc.logprob_chunk),
       model, pairs[n_held:], pairs[:n_held], workdir, pad_id=ctx.tokenizer.pad_id,
       mesh=ctx.mesh)
+
+
+def run_sft(ctx: Context, model):
+  trainer = sft_trainer_for(ctx, model, os.path.join(ctx.workdir, "sft"))
   trainer.maybe_restore()
   history = trainer.run()
   model = trainer.model()
@@ -224,6 +235,7 @@ def rl_setup(config, stage_cfg) -> rl_trainer.RLSetup:
                              samples_per_prompt=r.samples_per_prompt,
                              old_logprobs=r.old_logprobs, checkpoint_every=r.checkpoint_every,
                              length_multiple=r.length_multiple,
+                             fixed_rows=r.fixed_rows,
                              scheduler_policy=r.scheduler_policy),
       agent=agent,
       engine=EngineConfig(num_slots=config.engine.num_slots, max_len=config.engine.max_len),
@@ -435,9 +447,17 @@ def plot_progress(workdir: str) -> str | None:
           ("rollout/model_tokens_mean", "response length (model tokens)")]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   x = [r["global_step"] for r in rows]
+  # Stage boundaries: stage 3 trains on the hard subset only, so its accuracy drops.
+  starts = {}
+  for r in rows:
+    starts.setdefault(r["stage"], r["global_step"] - 0.5)
   for ax, (k, title) in zip(axes, keys):
     y = [float(r.get(k, np.nan)) for r in rows]
     ax.plot(x, y, marker=".")
+    for stage, at in starts.items():
+      ax.axvline(at, color="gray", linestyle=":", linewidth=1)
+      ax.text(at, 1.0, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=8,
+              va="top", color="gray")
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)

@@ -40,7 +40,7 @@ def get_config():
               learning_rate=1e-6, warmup_steps=20, weight_decay=0.01, grad_clip_norm=1.0,
               micro_batches=128, logprob_chunk=1024, old_logprobs="sampler",
               temperature=1.0, top_p=1.0, checkpoint_every=10, length_multiple=512,
-              scheduler_policy="kv_capacity")
+              fixed_rows=False, scheduler_policy="kv_capacity")
   c.stage1 = dict(num_steps=300, max_response_tokens=8192, max_turns=10, hard_only=False,
                   hard_k=8, hard_pool=0, reset_optimizer=False)
   c.stage2 = dict(num_steps=85, max_response_tokens=12_288, max_turns=10, hard_only=False,

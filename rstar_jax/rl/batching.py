@@ -37,11 +37,15 @@ def _round_up(n: int, multiple: int) -> int:
 def build_batch(trajs: Sequence[TokenTrajectory], advantages: Sequence[float], *,
                 row_multiple: int = 1, length_multiple: int = 64, max_len: int | None = None,
                 pad_id: int = 0, pow2_lengths: bool = True,
-                pow2_rows: bool = False) -> dict[str, np.ndarray]:
+                pow2_rows: bool = False,
+                fixed_rows: int | None = None) -> dict[str, np.ndarray]:
   """Pads to [N, T]; N rounded up to `row_multiple` (times a power of two with
-  `pow2_rows`) with all-padding rows (loss mask 0, so they change nothing). T is rounded up to a power of two (at least
-  `length_multiple`), or to a multiple of `length_multiple` with pow2_lengths=False:
-  every distinct T is a fresh compile of the train step."""
+  `pow2_rows`) with all-padding rows (loss mask 0, so they change nothing). T is
+  rounded up to a power of two (at least `length_multiple`), or to a multiple of
+  `length_multiple` with pow2_lengths=False: every distinct T is a fresh compile of
+  the train step; `max_len` caps T. `fixed_rows` pads every batch to exactly that many
+  rows (with a few length buckets, a few compiles per run) and fails if there are
+  more trajectories."""
   if len(trajs) != len(advantages):
     raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
   if not trajs:
@@ -59,6 +63,11 @@ def build_batch(trajs: Sequence[TokenTrajectory], advantages: Sequence[float], *
   n = _round_up(len(trajs), row_multiple)
   if pow2_rows:
     n = row_multiple * (1 << (n // row_multiple - 1).bit_length())
+  if fixed_rows is not None:
+    if len(trajs) > fixed_rows or fixed_rows % row_multiple:
+      raise ValueError(f"build_batch: {len(trajs)} trajectories do not fit fixed_rows="
+                       f"{fixed_rows} (which must also be a multiple of {row_multiple})")
+    n = fixed_rows
   out = {
       "input_ids": np.full((n, t_len), pad_id, np.int32),
       "target_ids": np.full((n, t_len), pad_id, np.int32),

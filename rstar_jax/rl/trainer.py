@@ -49,6 +49,10 @@ class RLConfig:
   # Pad the row count to a power of two: with dropped groups the number of kept
   # trajectories varies per step and every distinct count would be a fresh compile.
   pow2_rows: bool = True
+  # Pad every batch to the most rows a step can keep: with dropped groups the kept
+  # count varies, and each power-of-two row bucket is another compile. Worth it when
+  # compiles cost more than the padding (small models: the toy).
+  fixed_rows: bool = False
   scheduler_policy: str = "kv_capacity"
 
   def __post_init__(self):
@@ -157,6 +161,21 @@ class RLTrainer:
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)
 
+  def fixed_rows(self, row_multiple: int) -> int | None:
+    """Rows of every batch with rl.fixed_rows: the most trajectories a step can keep."""
+    s = self.setup
+    if not s.rl.fixed_rows:
+      return None
+    per_group = (s.rl.samples_per_prompt if s.downsample.method == "none"
+                 else s.downsample.group_size)
+    return -(-s.rl.prompts_per_step * per_group // row_multiple) * row_multiple
+
+  def max_batch_len(self) -> int:
+    """No trajectory is longer than the engine's KV cache, so the power-of-two length
+    bucket never needs to exceed it (rounded to rl.length_multiple)."""
+    m = self.setup.rl.length_multiple
+    return -(-self.setup.engine.max_len // m) * m
+
   # ---- one step ------------------------------------------------------------------
   def rollouts(self, batch: Sequence[math_data.MathProblem], step: int
                ) -> list[list[agent_loop.Trajectory]]:
@@ -204,6 +223,8 @@ class RLTrainer:
     arrays = batching.build_batch([t.token_trajectory() for t in trajs], adv_flat,
                                   row_multiple=rows, length_multiple=setup.rl.length_multiple,
                                   pow2_rows=setup.rl.pow2_rows,
+                                  max_len=self.max_batch_len(),
+                                  fixed_rows=self.fixed_rows(rows),
                                   pad_id=self.tok.pad_id)
     t1 = time.perf_counter()
     if self.logprob_fn is not None:

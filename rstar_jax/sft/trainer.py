@@ -99,7 +99,8 @@ class SFTTrainer:
     logging.info("resumed SFT at step %d", self.step)
     return True
 
-  def run(self, progress: bool = True) -> list[dict[str, float]]:
+  def run(self, progress: bool = True, on_step=None) -> list[dict[str, float]]:
+    """Trains to the end; `on_step(step, metrics)` after every step (e.g. probes)."""
     from tqdm import tqdm
     bar = tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
                disable=not progress)
@@ -120,6 +121,8 @@ class SFTTrainer:
         history.append(m)
         bar.update(1)
         bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+        if on_step is not None:
+          on_step(self.step, m)
         if self.step % self.cfg.checkpoint_every == 0:
           self.ckpt.save(self.step, self.state, {"step": self.step})
     finally:

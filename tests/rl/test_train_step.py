@@ -128,6 +128,22 @@ def test_build_batch_pow2_rows_pads_counts_to_few_shapes():
   assert (b["advantages"][5:] == 0).all()
 
 
+def test_build_batch_fixed_rows_pads_every_batch_to_one_row_count():
+  def traj(n):
+    return batching.TokenTrajectory(prompt_ids=[1, 2], response_ids=[3] * n,
+                                    response_mask=[1] * n, response_logprobs=[-1.0] * n)
+  shapes = {batching.build_batch([traj(n)] * k, [1.0] * k, row_multiple=2, fixed_rows=8,
+                                 length_multiple=16, max_len=48)["input_ids"].shape
+            for k, n in ((1, 2), (3, 40), (8, 46))}
+  assert shapes == {(8, 16), (8, 48)}   # lengths bucketed (16, 64 capped at max_len)
+  b = batching.build_batch([traj(5)] * 3, [1.0] * 3, fixed_rows=8)
+  assert b["loss_mask"].sum() == 15 and b["loss_mask"][3:].sum() == 0
+  with pytest.raises(ValueError, match="do not fit fixed_rows=8"):
+    batching.build_batch([traj(2)] * 9, [1.0] * 9, fixed_rows=8)
+  with pytest.raises(ValueError, match="multiple of 3"):
+    batching.build_batch([traj(2)], [1.0], fixed_rows=8, row_multiple=3)
+
+
 def test_warmup_constant_schedule():
   sched = optim.make_schedule(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=20))
   assert np.isclose(sched(0), 1e-6 / 20) and np.isclose(sched(19), 1e-6)
