@@ -35,34 +35,6 @@ _PROBE = flags.DEFINE_integer("probe_problems", 256, "held-out clean traces to s
 _SAVE = flags.DEFINE_string("save", "", "export the final model (HF layout) here")
 
 
-def copy_probe(ctx, n: int, seed: int):
-  """Held-out clean traces as [N, T] arrays + a mask of their assistant digit tokens."""
-  import numpy as np
-  from rstar_jax import recipe
-  from rstar_jax.data import toy_task
-  levels, kinds = recipe.toy_levels_kinds(ctx.config)
-  problems = toy_task.generate_problems(n, seed=seed, levels=levels, kinds=kinds)
-  traces = toy_task.make_traces(problems, seed=seed + 1, chat_config=ctx.proto.config,
-                                config=toy_task.TraceConfig(bug_share=0.0, no_tool_share=0.0))
-  rendered = [toy_task.render_trace(ctx.proto, t) for t in traces]
-  tok = ctx.tokenizer
-  is_digit = np.array([any(ch.isdigit() for ch in tok.decode([i])) for i in
-                       range(tok.vocab_size)])
-  response_start = tok.token_id("<tool_response>")
-  t_len = max(len(r.ids) for r in rendered) - 1
-  arr = {k: np.zeros((n, t_len), np.int32) for k in ("input_ids", "target_ids", "segment_ids")}
-  mask = np.zeros((n, t_len), np.float32)
-  in_code = np.zeros((n, t_len), bool)
-  for i, r in enumerate(rendered):
-    ids, length = np.asarray(r.ids), len(r.ids) - 1
-    arr["input_ids"][i, :length] = ids[:-1]
-    arr["target_ids"][i, :length] = ids[1:]
-    arr["segment_ids"][i, :length] = 1
-    mask[i, :length] = np.asarray(r.loss_mask[1:]) * is_digit[ids[1:]]
-    in_code[i, :list(ids).index(response_start)] = True
-  return arr, mask, in_code, [p.kind for p in problems]
-
-
 def main(argv):
   del argv
   import jax
@@ -70,6 +42,7 @@ def main(argv):
   import numpy as np
   from flax import nnx
   from rstar_jax import recipe
+  from rstar_jax.data import toy_task
 
   config = _CONFIG.value
   if config.data.kind != "toy":
@@ -80,7 +53,11 @@ def main(argv):
     ctx = recipe.build_context(config, tools=None)
     model = recipe.initial_model(config, ctx.tokenizer, ctx.mesh)
     trainer = recipe.sft_trainer_for(ctx, model, os.path.join(tmp, "sft"))
-    arr, mask, in_code, kinds = copy_probe(ctx, _PROBE.value, seed=config.seed + 30_000)
+    levels, kinds = recipe.toy_levels_kinds(config)
+    problems = toy_task.generate_problems(_PROBE.value, seed=config.seed + 30_000,
+                                          levels=levels, kinds=kinds)
+    arr, mask, in_code = toy_task.copy_probe(ctx.proto, problems, seed=config.seed + 30_001)
+    kinds = [p.kind for p in problems]
 
     @jax.jit
     def score(params):
@@ -97,7 +74,6 @@ def main(argv):
     header = (f"{'step':>6} {'wall_s':>7} {'loss':>6} {'digit_acc':>9} {'greedy_all':>10} "
               f"{'p_copy':>6} {'code':>6} {'answer':>6} " +
               " ".join(f"{k:>9}" for k in kind_names))
-    rows = [header]
     print(header, flush=True)
     t0 = time.perf_counter()
 
@@ -114,7 +90,6 @@ def main(argv):
              f"{hit.sum() / mask.sum():9.3f} {greedy:10.3f} {p_all.mean():6.3f} "
              f"{p_code.mean():6.3f} {p_answer.mean():6.3f} " +
              " ".join(f"{v:9.3f}" for v in per_kind))
-      rows.append(row)
       print(row, flush=True)
 
     trainer.run(progress=False, on_step=probe)
@@ -122,7 +97,6 @@ def main(argv):
       recipe.hf_io.save_hf(trainer.model(), _SAVE.value)
       ctx.tokenizer.save(_SAVE.value)
     trainer.close()
-  print("\n" + "\n".join(rows))
 
 
 if __name__ == "__main__":

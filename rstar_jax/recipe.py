@@ -76,7 +76,8 @@ def build_tokenizer(config, workdir: str):
     path = os.path.join(workdir, "tokenizer")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
       return tokenizer_lib.Tokenizer.from_dir(path)
-    tok = toy_task.train_toy_tokenizer(tc.vocab_size, seed=config.seed)
+    tok = toy_task.train_toy_tokenizer(tc.vocab_size, seed=config.seed,
+                                       number_chunk=tc.get("number_chunk", 3))
     tok.save(path)
     return tok
   if tc.kind == "hf":

@@ -30,7 +30,9 @@ def get_config():
                  hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  tie_word_embeddings=True)
-  c.tokenizer = dict(kind="toy", path=config_dict.placeholder(str), vocab_size=2048)
+  # number_chunk: digits per number token (1 = Qwen's one-digit split).
+  c.tokenizer = dict(kind="toy", path=config_dict.placeholder(str), vocab_size=2048,
+                     number_chunk=3)
   c.data = dict(kind="toy", toy_levels="1,2", toy_kinds="", toy_train_problems=2000,
                 toy_eval_problems=128, train_files="", eval_files="", integer_only=True,
                 on_error="raise")

@@ -326,6 +326,38 @@ def render_trace(protocol: chat.ChatProtocol, trace: ToyTrace) -> chat.RenderedC
   return protocol.render_conversation(trace.messages)
 
 
+def copy_probe(protocol: chat.ChatProtocol, problems: Sequence[ToyProblem], *, seed: int
+               ) -> tuple[dict[str, Any], Any, Any]:
+  """Clean traces of `problems` for scoring copying by teacher forcing.
+
+  Every digit the assistant writes in a clean trace is a copy: the operands into the
+  code, then the printed result, restated and boxed. Returns ([N, T] int32 arrays
+  input_ids / target_ids / segment_ids, a float mask of the targets that are such
+  digit tokens, and a bool mask of the positions before the tool response (the code)).
+  """
+  import numpy as np
+  traces = make_traces(problems, seed=seed, chat_config=protocol.config,
+                       config=TraceConfig(bug_share=0.0, no_tool_share=0.0))
+  rendered = [render_trace(protocol, t) for t in traces]
+  tok = protocol.tokenizer
+  is_digit = np.array([any(ch.isdigit() for ch in tok.decode([i]))
+                       for i in range(tok.vocab_size)])
+  response_start = tok.token_id(tokenizer_lib.TOOL_RESPONSE_START)
+  n, t_len = len(rendered), max(len(r.ids) for r in rendered) - 1
+  arrays = {k: np.zeros((n, t_len), np.int32)
+            for k in ("input_ids", "target_ids", "segment_ids")}
+  mask = np.zeros((n, t_len), np.float32)
+  in_code = np.zeros((n, t_len), bool)
+  for i, r in enumerate(rendered):
+    ids, length = np.asarray(r.ids), len(r.ids) - 1
+    arrays["input_ids"][i, :length] = ids[:-1]
+    arrays["target_ids"][i, :length] = ids[1:]
+    arrays["segment_ids"][i, :length] = 1
+    mask[i, :length] = np.asarray(r.loss_mask[1:]) * is_digit[ids[1:]]
+    in_code[i, :list(ids).index(response_start)] = True
+  return arrays, mask, in_code
+
+
 # --- chat config and tokenizer for the toy --------------------------------------------
 
 
@@ -382,29 +414,27 @@ def tokenizer_corpus(n: int = 2000, *, seed: int = 0,
   return [conversation_text(t.messages, chat_config) for t in traces]
 
 
-def number_chunks() -> list[str]:
-  """Every chunk the number-chunk pre-tokenizer can cut (0-9, 00-99, 000-999), so that
-  each becomes one id whatever the corpus happened to contain."""
-  return [f"{i:0{w}d}" for w in (1, 2, 3) for i in range(10 ** w)]
+def number_chunks(digits: int = 3) -> list[str]:
+  """Every chunk the number-chunk pre-tokenizer can cut (0-9, 00-99, 000-999 for 3
+  digits), so that each becomes one id whatever the corpus happened to contain."""
+  return [f"{i:0{w}d}" for w in range(1, digits + 1) for i in range(10 ** w)]
 
 
 def train_toy_tokenizer(vocab_size: int = 2048, *, n: int = 2000, seed: int = 0,
                         chat_config: chat.ChatConfig | None = None,
-                        split_digits: bool = False) -> tokenizer_lib.Tokenizer:
+                        number_chunk: int = 3) -> tokenizer_lib.Tokenizer:
   """A byte-level BPE for the toy task (about a second on one core).
 
-  By default numbers are cut into chunks of up to 3 digits and every chunk is one id
-  (~1100 ids of the vocabulary): copying a number from the problem into the code and
-  from the output into the answer is then copying 1-2 rare tokens, which a 2-layer
-  model learns in a few hundred SFT steps; with Qwen's one-digit split
-  (`split_digits=True`, ~550 ids) it wrote the right digits in the wrong order.
+  Numbers are cut into chunks of up to `number_chunk` digits and every chunk is one id
+  (1110 ids for 3 digits): copying a number from the problem into the code and from
+  the output into the answer is then copying a few rare tokens, which a 2-layer model
+  learns in a few hundred SFT steps; with Qwen's one-digit split (`number_chunk=1`,
+  ~550 ids in all) it wrote the right digits in the wrong order.
   """
   corpus = tokenizer_corpus(n, seed=seed, chat_config=chat_config,
                             config=TraceConfig(bug_share=0.3, no_tool_share=0.2))
-  if split_digits:
-    return tokenizer_lib.train_tokenizer(corpus, vocab_size)
-  chunks = number_chunks()
-  # Twice, to pass the BPE trainer's min_frequency=2.
-  corpus += [" ".join(chunks)] * 2
+  if number_chunk > 1:
+    # Twice, to pass the BPE trainer's min_frequency=2.
+    corpus += [" ".join(number_chunks(number_chunk))] * 2
   return tokenizer_lib.train_tokenizer(corpus, vocab_size,
-                                       pattern=tokenizer_lib.NUMBER_CHUNK_SPLIT_PATTERN)
+                                       pattern=tokenizer_lib.number_chunk_pattern(number_chunk))

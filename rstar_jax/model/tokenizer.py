@@ -44,12 +44,18 @@ REASON_TAG_TOKENS = ("<reason>", "</reason>", "<answer>", "</answer>")
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
     r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# The same with numbers cut into chunks of up to 3 digits from the left (as GPT-4's
-# cl100k does). A tiny model copies a number far more reliably when each chunk is a
-# rare token: with single digits, "the token after the previous 6" matches everywhere.
-NUMBER_CHUNK_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def number_chunk_pattern(digits: int) -> str:
+  """Qwen's split with numbers cut into chunks of up to `digits` digits from the left
+  (3: as GPT-4's cl100k does; 1: Qwen's own pattern). A tiny model copies a number far
+  more reliably when each chunk is a rare token: with single digits, "the token after
+  the previous 6" matches in many places."""
+  if not isinstance(digits, int) or isinstance(digits, bool) or not 1 <= digits <= 9:
+    raise ValueError(f"number chunk size must be an int in 1..9, got {digits!r}")
+  if digits == 1:
+    return QWEN_SPLIT_PATTERN
+  return QWEN_SPLIT_PATTERN.replace(r"|\p{N}|", rf"|\p{{N}}{{1,{digits}}}|")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -223,10 +223,17 @@ def test_numbers_are_the_same_chunk_ids_wherever_they_occur(tok):
       assert any(got[i:i + len(ids)] == ids for i in range(len(got))), (text, got, ids)
 
 
-def test_split_digits_tokenizer_cuts_numbers_into_single_digits():
-  tok = toy_task.train_toy_tokenizer(1024, n=200, seed=0, split_digits=True)
-  pieces = [tok.decode([i]) for i in tok.encode("print(4567)")]
-  assert [p for p in pieces if any(c.isdigit() for c in p)] == ["4", "5", "6", "7"]
+@pytest.mark.parametrize("chunk,want", [(1, ["4", "5", "6", "7", "0"]),
+                                         (2, ["45", "67", "0"]), (3, ["456", "70"])])
+def test_number_chunk_sets_how_numbers_are_cut(chunk, want):
+  tok = toy_task.train_toy_tokenizer(1024 if chunk == 1 else 2048, n=200, seed=0,
+                                     number_chunk=chunk)
+  pieces = [tok.decode([i]) for i in tok.encode("print(45670)")]
+  assert [p for p in pieces if any(c.isdigit() for c in p)] == want
+  if chunk > 1:
+    assert all(len(tok.encode(c)) == 1 for c in toy_task.number_chunks(chunk))
+  with pytest.raises(ValueError, match="number chunk size"):
+    toy_task.train_toy_tokenizer(n=10, number_chunk=0)
 
 
 def test_toy_sequences_are_short(tok, proto, traces):
@@ -271,3 +278,18 @@ def test_toy_errors_read_like_the_sandbox_errors():
     cfg = toy_task.toy_chat_config()
     as_sandbox = dict(sandbox_result.to_dict(), wall_time=toy["wall_time"])
     assert chat.render_executor_result(as_sandbox, cfg) == chat.render_executor_result(toy, cfg)
+
+
+def test_copy_probe_masks_the_digits_of_the_code_and_of_the_answer(tok, proto):
+  problems = toy_task.generate_problems(24, seed=5, levels=[1, 2])
+  arrays, mask, in_code = toy_task.copy_probe(proto, problems, seed=6)
+  for i, p in enumerate(problems):
+    targets = arrays["target_ids"][i]
+    code = tok.decode([int(t) for t, m, c in zip(targets, mask[i], in_code[i]) if m and c])
+    answer = tok.decode([int(t) for t, m, c in zip(targets, mask[i], in_code[i])
+                         if m and not c])
+    expr = re.search(r"print\((.*)\)$", p.code).group(1)
+    # Every digit the assistant writes is a copy: the operands (never the prompt's own
+    # copy of them), then the printed result, twice (restated, then boxed).
+    assert code == re.sub(r"\D", "", expr), (p.problem, code)
+    assert answer == str(p.answer) * 2, (p.problem, answer)
