@@ -21,8 +21,9 @@ def get_config():
 
   # 2 layers x 128 (4 heads of 64, tied embeddings): the task's bottleneck is copying
   # numbers (problem -> code, output -> answer), an induction-head skill that a 2-layer
-  # model forms after ~300-400 SFT steps. Head dims 32 / 64 / 128 were compared with
-  # experiments/toy_sft_curve.py (WORKSPACE.md, "Toy recipe"): 64 copies best per second.
+  # model forms after ~300-400 SFT steps. Head dims 32 / 64 / 128 were compared with the
+  # copy probe that experiments/toy_sft_curve.py runs (WORKSPACE.md, "Toy recipe"): 64
+  # copies best per second of SFT.
   c.model = dict(preset="small", hf_dir=config_dict.placeholder(str), vocab_size=0,
                  param_dtype="float32", dtype="float32", remat_policy="none",
                  attention_impl="xla",
