@@ -6,10 +6,15 @@
 * Calls are sent in batches (one POST per `batch_size` calls); results come back
   in the order of the calls.
 * At most `max_concurrency` calls are in flight from this client at once.
-* A batch is retried, with exponential backoff and jitter, only when the server
-  could not be reached or answered 5xx (the server answers 5xx only when it ran
-  nothing). A call that came back with a result is never re-run, and a request
-  timeout is not retried either: it comes back as status internal_error.
+* Exactly once: every call carries an id (the client makes one up when the call
+  has none). A batch is retried elsewhere, with exponential backoff and jitter,
+  only when the server could not be reached or answered 5xx (it answers 5xx only
+  when it ran nothing). When a request was sent and its answer lost (connection
+  reset mid-request), the same payload goes again to the same server only, which
+  answers the ids it has seen from memory; if that server is gone (or restarted),
+  the calls come back as internal_error ("may have run"), never run twice. A call
+  that came back with a result is never re-run, and a request timeout is not
+  retried either: it comes back as status internal_error.
 * Load goes to the reachable server with the fewest calls in flight. A server
   that fails is taken out of rotation and probed on /health every
   `health_interval_s`; it comes back when healthy.
@@ -21,10 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import itertools
 import logging
 import random
 import threading
 import time
+import uuid
 import zlib
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -37,15 +45,28 @@ log = logging.getLogger("sandbox.client")
 CallLike = Call | Mapping[str, Any] | str
 
 
-class _Retryable(Exception):
-  pass
+class _NotSent(Exception):
+  """The server did not take the request: it could not be reached, or answered 5xx."""
+
+  def __init__(self, message: str, refused: bool = False):
+    super().__init__(message)
+    self.refused = refused
+
+
+class _Uncertain(Exception):
+  """The request was (or may have been) sent and the answer was lost."""
+
+
+class _Conflict(Exception):
+  """409: a restarted server, or an id reused for another call."""
 
 
 class _Server:
-  __slots__ = ("url", "up", "retry_at", "inflight", "probe", "failures")
+  __slots__ = ("url", "up", "retry_at", "inflight", "probe", "failures", "instance")
 
   def __init__(self, url: str):
     self.url = url.rstrip("/")
+    self.instance: str | None = None  # the server process's id, from its answers
     self.up = True
     self.retry_at = 0.0
     self.inflight = 0
@@ -107,6 +128,9 @@ class SandboxClient:
     self._http: aiohttp.ClientSession | None = None
     self._budget = _Budget(max_concurrency)
     self._rr = 0
+    # Call ids: unique per client (a random prefix) so servers can tell retries apart.
+    self._prefix = f"{uuid.uuid4().hex[:16]}-"
+    self._ids = itertools.count(1)
 
   @property
   def urls(self) -> list[str]:
@@ -141,6 +165,8 @@ class SandboxClient:
   async def execute(self, calls: Iterable[CallLike]) -> list[Result]:
     """Runs `calls` (Call, mapping with Call's fields, or code string); same order back."""
     calls = [Call.from_obj(c, where=f"calls[{i}]") for i, c in enumerate(calls)]
+    calls = [c if c.id is not None else dataclasses.replace(c, id=f"{self._prefix}{next(self._ids)}")
+             for c in calls]
     self._session()
     results: list[Result | None] = [None] * len(calls)
     chunks: list[list[int]] = []
@@ -185,28 +211,50 @@ class SandboxClient:
 
   # -- internals --------------------------------------------------------------
   async def _run_chunk(self, idx: list[int], calls: list[Call], results: list) -> None:
-    payload = {"calls": [calls[i].to_dict() for i in idx]}
+    payload: dict[str, Any] = {"calls": [calls[i].to_dict() for i in idx]}
     sid = calls[idx[0]].session_id
     taken = await self._budget.acquire(len(idx))
     try:
       last_error: str = ""
+      # Set once a request may have reached a server and its answer was lost: from then
+      # on the same payload (same call ids) goes only to that server, which answers the
+      # ids it accepted from memory and runs only the ones it never saw.
+      pinned: _Server | None = None
       for attempt in range(self.max_retries + 1):
         if attempt:
           delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
           await asyncio.sleep(delay * (0.5 + random.random() / 2))
-        server = await self._pick(sid)
+        server = pinned or await self._pick(sid)
         if server is None:
           last_error = "no sandbox server is reachable"
           continue
+        if pinned is not None and server.instance is not None:
+          payload["expect_instance"] = server.instance
         server.inflight += len(idx)
         try:
           data = await self._post(server, payload)
-        except _Retryable as e:
+        except _NotSent as e:  # connection refused, or a 5xx: nothing was run there
           last_error = f"{server.url}: {e}"
-          self._mark_down(server, str(e))
+          if pinned is not None and e.refused:
+            # The server that may have run these calls is gone: never run them twice.
+            self._fill(results, idx, f"{server.url} went away after the calls were sent "
+                                     f"({last_error}); they may have run and are not re-run")
+            self._mark_down(server, str(e))
+            return
+          if pinned is None:
+            self._mark_down(server, str(e))
           continue
+        except _Uncertain as e:  # sent, answer lost: ask the same server again
+          last_error = f"{server.url}: {e}"
+          log.warning("lost the answer of %s (%s); asking it again for the same call ids",
+                      server.url, e)
+          pinned = server
+          continue
+        except _Conflict as e:
+          self._fill(results, idx, f"{server.url}: {e}")
+          return
         except asyncio.TimeoutError:
-          # The calls may have run: re-running them is what we promise not to do.
+          # The calls may still be running: re-running them is what we promise not to do.
           self._fill(results, idx, f"request to {server.url} timed out")
           return
         finally:
@@ -215,13 +263,19 @@ class SandboxClient:
         if not isinstance(got, list) or len(got) != len(idx):
           self._fill(results, idx, f"malformed answer from {server.url}: {str(data)[:200]}")
           return
+        if isinstance(data.get("instance"), str):
+          server.instance = data["instance"]
         for i, r in zip(idx, got):
           res = Result.from_dict(r)
           res.server = server.url
+          res.call_id = calls[i].id
           results[i] = res
         server.failures = 0
         return
-      self._fill(results, idx, f"gave up after {self.max_retries + 1} attempts: {last_error}")
+      why = (f"gave up after {self.max_retries + 1} attempts: {last_error}" if pinned is None else
+             f"gave up after {self.max_retries + 1} attempts, the last ones to {pinned.url} "
+             f"whose answer was lost: {last_error}")
+      self._fill(results, idx, why)
     finally:
       await self._budget.release(taken)
 
@@ -229,18 +283,22 @@ class SandboxClient:
     try:
       async with self._session().post(f"{server.url}/execute", json=payload) as resp:
         if resp.status >= 500:
-          raise _Retryable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+          raise _NotSent(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        if resp.status == 409:
+          raise _Conflict(f"HTTP 409: {(await resp.text())[:500]}")
         if resp.status != 200:
           raise ValueError(f"sandbox server {server.url} rejected the request "
                            f"(HTTP {resp.status}): {(await resp.text())[:500]}")
         return await resp.json()
+    except aiohttp.ClientConnectorError as e:  # no connection: the request never left
+      raise _NotSent(f"{type(e).__name__}: {e}", refused=True) from None
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-      raise _Retryable(f"{type(e).__name__}: {e}") from None
+      raise _Uncertain(f"{type(e).__name__}: {e}") from None
 
   @staticmethod
-  def _fill(results: list, idx: list[int], message: str) -> None:
+  def _fill(results: list, idx: list[int], message: str, calls: list[Call] | None = None) -> None:
     for i in idx:
-      results[i] = Result.internal_error(message)
+      results[i] = Result.internal_error(message, call_id=None if calls is None else calls[i].id)
 
   def _mark_down(self, server: _Server, why: str) -> None:
     if server.up:
@@ -278,7 +336,7 @@ class SandboxClient:
       if not up:
         return None
     if sid is not None:
-      h = zlib.crc32(sid.encode())
+      h = zlib.crc32(sid.encode("utf-8", "surrogatepass"))
       home = self._servers[h % len(self._servers)]
       return home if home.up else up[h % len(up)]
     self._rr += 1

@@ -25,7 +25,7 @@ import socket
 import time
 from typing import Any
 
-from sandbox import isolation
+from sandbox import cgroups, isolation
 from sandbox.config import ExecutorConfig
 from sandbox.schema import Call, Result
 from sandbox.stats import Stats
@@ -105,14 +105,24 @@ class Executor:
     self._tasks: list[asyncio.Task] = []
     self._uid_base = 0
     self._started = False
+    self._cgroup: cgroups.MemoryCgroups | None = None
+    self.memory_mode = ""
+    self.memory_budget = 0
+    self.max_running = self.config.max_children
 
   # -- life cycle -------------------------------------------------------------
   async def start(self) -> None:
     cfg = self.config
-    self._admission = asyncio.Semaphore(cfg.max_children)
     self._ready = asyncio.Event()
-    self._backend = isolation.choose(cfg.isolation)
+    self._backend = isolation.choose(cfg.isolation, cfg.allow_weak_isolation)
+    self._setup_memory()
+    self._admission = asyncio.Semaphore(self.max_running)
     if os.geteuid() == 0:
+      try:  # the kernel's OOM killer takes calls (+1000), never the server or warm parent
+        with open("/proc/self/oom_score_adj", "w") as f:
+          f.write("-1000")
+      except OSError as e:
+        log.info("could not lower the server's oom_score_adj (%s); calls still run at +1000", e)
       # Above the children (and other busy users of the host), so that deadlines hold;
       # the worker started below inherits it.
       try:
@@ -126,6 +136,54 @@ class Executor:
     self._started = True
     self._tasks.append(asyncio.ensure_future(self._reap_sessions()))
 
+  @property
+  def n_slots(self) -> int:
+    cfg = self.config
+    return cfg.max_children + cfg.pool_size + cfg.max_sessions + 4
+
+  def _setup_memory(self) -> None:
+    """Admission control on the memory budget, enforced per call by cgroups where possible.
+
+    At most budget // per_call_mb calls run at once, so the calls' limits together fit
+    the budget. Overcommitting and leaving the rest to the kernel does not work: with
+    32 calls at a shared cgroup limit the kernel reclaims in every one of them for
+    tens of seconds (measured: all 32 in direct reclaim, no OOM kill, 30 s deadlines
+    missed) instead of killing one.
+    """
+    cfg = self.config
+    host = cgroups.host_memory_bytes()
+    budget = (cfg.memory_budget_mb << 20) if cfg.memory_budget_mb else int(host * 0.75)
+    self.memory_budget = budget
+    per_call = cfg.per_call_mb << 20
+    self.max_running = max(1, min(cfg.max_children, budget // per_call))
+    self._cgroup = None
+    why = "disabled (--cgroups off)"
+    if cfg.cgroups == "auto":
+      stale = cgroups.MemoryCgroups.sweep_stale()
+      if stale:
+        log.info("removed %d cgroup tree(s) left by sandbox servers that are gone", stale)
+      self._cgroup, why = cgroups.MemoryCgroups.create(budget, per_call, self.n_slots)
+    if self._cgroup is not None:
+      self.memory_mode = f"cgroup v{self._cgroup.version}"
+      log.info("memory: cgroup v%d at %s: each call's processes and files <= %d MB", self._cgroup.version,
+               self._cgroup.top, cfg.per_call_mb)
+    else:
+      self.memory_mode = "rlimits"
+      log.warning("memory: no cgroups (%s): a call is limited per process (RLIMIT_AS) and by "
+                  "its /tmp quota only; one that forks many large processes can exceed its share",
+                  why)
+    log.info("memory budget %d MB / %d MB per call (memory_mb + tmp_mb + shm_mb): at most %d "
+             "calls run at once%s", budget >> 20, cfg.per_call_mb, self.max_running,
+             "" if self.max_running == cfg.max_children else
+             f" (below --max-children {cfg.max_children}; raise --memory-budget-mb or lower "
+             "--memory-mb for more)")
+
+  def _preexec(self) -> None:
+    """In the worker's process before exec: its memory cgroup."""
+    if self._cgroup is not None:
+      with open(self._cgroup.worker_procs(), "w") as f:
+        f.write("0")
+
   async def _spawn(self) -> None:
     cfg = self.config
     loop = asyncio.get_running_loop()
@@ -134,16 +192,20 @@ class Executor:
     work_root = self._backend.setup()
     worker_cfg = {
         "ctrl_fd": theirs.fileno(), "uid_base": self._uid_base,
-        "n_slots": cfg.max_children + cfg.pool_size + cfg.max_sessions + 4,
+        "n_slots": self.n_slots, "private_tmp": True, "tmp_mb": cfg.tmp_mb, "shm_mb": cfg.shm_mb,
+        "private_net": self._backend.name != "bwrap",
+        "cgroup": None if self._cgroup is None else {"top": self._cgroup.top,
+                                                     "version": self._cgroup.version},
         "pool_size": cfg.pool_size, "work_root": work_root, "nice": cfg.nice,
         "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb,
         "max_open_files": cfg.max_open_files, "max_processes": cfg.max_processes,
         "preload": list(cfg.preload),
     }
-    argv, env, cwd = self._backend.command([json.dumps(worker_cfg)], cfg.tmpfs_mb)
+    binds = [] if self._cgroup is None else [self._cgroup.top]
+    argv, env, cwd = self._backend.command([json.dumps(worker_cfg)], cfg.tmpfs_mb, binds)
     self._proc = await asyncio.create_subprocess_exec(
         *argv, env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
+        stdout=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=self._preexec)
     theirs.close()
     mine.setblocking(False)
     self._ctrl = mine
@@ -203,6 +265,8 @@ class Executor:
         await self._proc.wait()
     if self._backend is not None:
       self._backend.cleanup()
+    if self._cgroup is not None:
+      self._cgroup.remove()
 
   @property
   def healthy(self) -> bool:
@@ -214,6 +278,8 @@ class Executor:
     s.update(isolation=self.isolation, healthy=self.healthy, queue_depth=self._queued,
              running=self._running, max_children=self.config.max_children,
              sessions=len(self._sessions), worker_restarts=self._restarts,
+             memory=self.memory_mode, memory_budget_mb=self.memory_budget >> 20,
+             max_running=self.max_running,
              worker_preload_s=self._ready_info.get("preload_s"))
     return s
 
@@ -235,6 +301,11 @@ class Executor:
       if kind == "ready":
         self._ready_info = ev
         self.isolation = self._backend.level(bool(ev["drop_uid"]))
+        if not ev.get("private_tmp"):
+          log.warning("calls share the worker's /tmp (no private /tmp and /dev/shm per call: "
+                      "that needs root); each gets a fresh directory as TMPDIR")
+        if self._backend.name != "bwrap" and not ev.get("private_net"):
+          log.warning("calls can reach the network (no network namespace without root)")
         if ev.get("preload_failed"):
           log.warning("sandbox preload failures: %s", ev["preload_failed"])
         log.info("sandbox worker ready: isolation=%s preload=%.2fs", self.isolation,
@@ -409,8 +480,10 @@ class Executor:
     job.session = sess
     send_fds: list[int] = []
     try:
-      send_fds.append(_memfd("code", call.code.encode("utf-8", "surrogateescape")))
-      send_fds.append(_memfd("stdin", call.input.encode("utf-8", "surrogateescape")))
+      # surrogatepass: a lone surrogate (a model's broken "\ud83d" escape) is a valid str
+      # and runs as written; the child decodes the same way.
+      send_fds.append(_memfd("code", call.code.encode("utf-8", "surrogatepass")))
+      send_fds.append(_memfd("stdin", call.input.encode("utf-8", "surrogatepass")))
       for kind in ("out", "err", "res"):
         r, w = os.pipe()
         os.set_blocking(r, False)
@@ -569,6 +642,12 @@ class Executor:
       r.exit_code = rec.get("exit_code")
       for k in ("error_type", "error_line", "error_message", "error_source"):
         setattr(r, k, rec.get(k))
+    elif ex and ex.get("oom"):
+      r.status, r.error_type = "memory_exceeded", "MemoryError"
+      r.error_message = (f"the call's processes and /tmp files went past its memory limit of "
+                         f"{self.config.per_call_mb} MB; the kernel killed it")
+      if "signal" in ex:
+        r.exit_code = -int(getattr(signal.Signals, ex["signal"], 0))
     elif ex and "signal" in ex:
       sig = ex["signal"]
       if sig == "SIGXCPU":
@@ -593,4 +672,8 @@ class Executor:
 
   def info(self) -> dict[str, Any]:
     return {"isolation": self.isolation, "max_children": self.config.max_children,
-            "healthy": self.healthy, "queue_depth": self._queued, "running": self._running}
+            "healthy": self.healthy, "queue_depth": self._queued, "running": self._running,
+            "memory": self.memory_mode, "max_running": self.max_running,
+            "private_tmp": bool(self._ready_info.get("private_tmp")),
+            "private_net": self._backend is not None and (
+                self._backend.name == "bwrap" or bool(self._ready_info.get("private_net")))}

@@ -44,6 +44,7 @@ PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 class Backend:
   """Starts the worker process; subclasses say how."""
+  name = ""
   # Inside the sandbox: where the per-call directories live.
   work_root: str
 
@@ -55,8 +56,10 @@ class Backend:
     """Prepares a start; returns the directory (as the worker sees it) for per-call dirs."""
     return self.work_root
 
-  def command(self, worker_argv: Sequence[str], tmpfs_mb: int) -> tuple[list[str], dict[str, str], str]:
-    """(argv, env, cwd) that start `python -m sandbox.worker ...`."""
+  def command(self, worker_argv: Sequence[str], tmpfs_mb: int,
+              binds: Sequence[str] = ()) -> tuple[list[str], dict[str, str], str]:
+    """(argv, env, cwd) that start `python -m sandbox.worker ...`; `binds`: host
+    directories the worker must be able to write (its memory cgroups)."""
     raise NotImplementedError
 
   def level(self, drop_uid: bool) -> str:
@@ -99,14 +102,18 @@ class Bwrap(Backend):
   capabilities it needs to give every call its own uid (setuid/setgid), kill and
   clean up after it (kill, chown, dac_override, fowner). Children drop them all.
   """
+  name = "bwrap"
   work_root = "/tmp/w"
   lib_dir = "/tmp/.lib"
-  caps = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
+  # CAP_SYS_ADMIN: to mount each call's private /tmp and /dev/shm (in the child, before it
+  # drops to its own uid, which clears every capability).
+  caps = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER",
+          "CAP_SYS_ADMIN")
 
   def __init__(self):
     self.bwrap = shutil.which("bwrap")
 
-  def _args(self, tmpfs_mb: int) -> list[str]:
+  def _args(self, tmpfs_mb: int, binds: Sequence[str] = ()) -> list[str]:
     args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--perms", "0711", "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp"]
     # Directories the interpreter needs but that sit below one that a dropped uid
@@ -135,6 +142,8 @@ class Bwrap(Backend):
             made.add(d)
             args += ["--perms", "0755", "--dir", d]
         args += ["--ro-bind", p, p]
+    for path in binds:
+      args += ["--bind", path, path]
     args += ["--ro-bind", PKG_DIR, f"{self.lib_dir}/sandbox",
              "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -156,8 +165,8 @@ class Bwrap(Backend):
       return f"bwrap cannot create the sandbox here: {p.stderr.decode(errors='replace').strip()}"
     return None
 
-  def command(self, worker_argv, tmpfs_mb):
-    argv = self._args(tmpfs_mb) + ["--", sys.executable, "-m", "sandbox.worker", *worker_argv]
+  def command(self, worker_argv, tmpfs_mb, binds=()):
+    argv = self._args(tmpfs_mb, binds) + ["--", sys.executable, "-m", "sandbox.worker", *worker_argv]
     return argv, _base_env(self.lib_dir), "/"
 
   def level(self, drop_uid: bool) -> str:
@@ -172,6 +181,8 @@ class Rlimits(Backend):
   processes' /proc entries stay reachable. Use only where bwrap cannot run.
   """
 
+  name = "rlimits"
+
   def __init__(self):
     self.work_root = ""
 
@@ -184,7 +195,7 @@ class Rlimits(Backend):
     os.chmod(self.work_root, 0o711)  # each call may enter its own dir, list none
     return self.work_root
 
-  def command(self, worker_argv, tmpfs_mb):
+  def command(self, worker_argv, tmpfs_mb, binds=()):
     return ([sys.executable, "-m", "sandbox.worker", *worker_argv],
             _base_env(os.path.dirname(PKG_DIR)), self.work_root)
 
@@ -196,27 +207,47 @@ class Rlimits(Backend):
       shutil.rmtree(self.work_root, ignore_errors=True)
 
 
-def choose(isolation: str) -> Backend:
-  """'auto' takes bwrap when it works and otherwise falls back, loudly."""
-  if isolation != "auto":
-    backend = get(isolation)
+WEAK = """\
+Without bubblewrap, calls run with rlimits only, plus where the server is root: an own
+uid per call, a private /tmp and /dev/shm per call, an empty network namespace, memory
+cgroups where the host has them, and a sweep of the calls' uids when the server dies.
+Given up compared with bwrap: calls can read every world-readable file of the host
+(home directories, configuration, other users' world-readable data) and write where
+their uid may (world-writable directories such as /var/tmp), and see the host's
+processes in /proc. Without root there is also no own uid, no private /tmp, no
+network isolation and no fork-bomb containment."""
+
+
+def choose(isolation: str, allow_weak: bool = False) -> Backend:
+  """'auto' takes bwrap when it works; anything weaker needs `allow_weak`."""
+  if isolation == "bwrap" or isolation == "auto":
+    backend = get("bwrap")
     why = backend.probe()
-    if why is not None:
-      raise RuntimeError(f"isolation {isolation!r} is not available: {why}")
-    if isolation == "rlimits":
-      _warn("rlimits isolation was asked for")
-    return backend
-  backend = get("bwrap")
+    if why is None:
+      return backend
+    if isolation == "bwrap":
+      raise RuntimeError(f"isolation 'bwrap' is not available: {why}")
+    if not allow_weak:
+      raise RuntimeError(
+          f"bubblewrap isolation is unavailable: {why}.\n"
+          "Install it (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora: dnf install "
+          "bubblewrap) and run as root, or start with --allow-weak-isolation to run model code "
+          "with weaker isolation.\n" + WEAK)
+    _warn(f"bubblewrap isolation unavailable: {why}")
+    return get("rlimits")
+  backend = get(isolation)
   why = backend.probe()
-  if why is None:
-    return backend
-  _warn(f"bubblewrap isolation unavailable: {why}")
-  return get("rlimits")
+  if why is not None:
+    raise RuntimeError(f"isolation {isolation!r} is not available: {why}")
+  if not allow_weak:
+    raise RuntimeError(f"isolation {isolation!r} is weaker than bubblewrap; start with "
+                       f"--allow-weak-isolation to accept that.\n" + WEAK)
+  _warn(f"{isolation} isolation was asked for")
+  return backend
 
 
 def _warn(why: str) -> None:
-  banner = ("!" * 78 + f"\nSANDBOX WARNING: {why}.\n"
-            "Running with rlimits only: NO network, filesystem or PID namespace isolation.\n"
+  banner = ("!" * 78 + f"\nSANDBOX WARNING: {why} (--allow-weak-isolation).\n" + WEAK + "\n"
             "Every result reports isolation='rlimits+uid' or 'rlimits'.\n" + "!" * 78)
   log.warning(banner)
   print(banner, file=sys.stderr, flush=True)

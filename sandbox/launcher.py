@@ -87,13 +87,19 @@ def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
 @contextlib.contextmanager
 def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str = "auto",
                    extra_args: Sequence[str] = (), startup_timeout: float = 120.0,
-                   log_path: str | None = None) -> Iterator[str]:
+                   log_path: str | None = None,
+                   allow_weak_isolation: bool | None = None) -> Iterator[str]:
   """Runs `python -m sandbox.server` on 127.0.0.1:<free port>; yields its base URL.
 
   extra_args go to the server's command line (e.g. ["--max-timeout", "30"]).
   The server's log goes to `log_path` (a temporary file when None; its tail is
   in the error if the server does not come up).
+  allow_weak_isolation: pass --allow-weak-isolation (start without bubblewrap);
+  None reads the environment variable SANDBOX_ALLOW_WEAK_ISOLATION=1.
   """
+  if allow_weak_isolation is None:
+    allow_weak_isolation = os.environ.get("SANDBOX_ALLOW_WEAK_ISOLATION", "") == "1"
+  weak = ["--allow-weak-isolation"] if allow_weak_isolation else []
   own_log = log_path is None
   if own_log:
     fd, log_path = tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")
@@ -107,7 +113,7 @@ def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str 
       url = f"http://127.0.0.1:{port}"
       cmd = [sys.executable, "-m", "sandbox.server", "--host", "127.0.0.1", "--port", str(port),
              "--max-children", str(max_children), "--pool-size", str(pool_size),
-             "--isolation", isolation, "--parent-pid", str(os.getpid()), *extra_args]
+             "--isolation", isolation, "--parent-pid", str(os.getpid()), *weak, *extra_args]
       with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=_REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=log, start_new_session=True)
@@ -118,13 +124,18 @@ def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str 
         time.sleep(0.1)
       if proc.poll() is None and health(url) is not None:
         break
+      exited = proc.poll() is not None
       _kill_tree(proc, 5.0)
       proc = None
+      with open(log_path, "rb") as f:
+        busy = b"address already in use" in f.read()[-4000:].lower()
+      if exited and not busy:
+        break  # it refused to start (e.g. no bubblewrap): trying other ports will not help
     if proc is None:
       with open(log_path, "rb") as f:
         tail = f.read()[-3000:].decode(errors="replace")
-      raise RuntimeError(f"sandbox server did not become healthy within {startup_timeout} s; "
-                         f"log tail:\n{tail}")
+      raise RuntimeError(f"sandbox server did not start (or not become healthy within "
+                         f"{startup_timeout} s); log tail:\n{tail}")
     yield url
   finally:
     if proc is not None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ast
 import linecache
+import re
 import sys
 import traceback
 from typing import Any
 
 CELL_FILENAME = "<cell>"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _source_line(source: str, lineno: int | None) -> str | None:
@@ -55,6 +57,17 @@ def run_cell(source: str, globals_: dict[str, Any]) -> dict[str, Any]:
   the error fields of `schema.Result`. Tracebacks go to sys.stderr.
   """
   _register_source(source)
+  bad = _SURROGATE.search(source)
+  if bad is not None:
+    # Python cannot compile text that is not valid Unicode; typically a model's broken
+    # "\ud83d" escape (half of a surrogate pair) in the tool call's JSON.
+    lineno = source.count("\n", 0, bad.start()) + 1
+    text = (f"lone surrogate {ascii(bad.group())} in the source (a broken \\u escape?); "
+            "Python source must be valid Unicode")
+    sys.stderr.write(f"SyntaxError: {text}\n")
+    return dict(status="error", exit_code=1, error_type="SyntaxError", error_line=lineno,
+                error_message=_message("SyntaxError", lineno, text),
+                error_source=ascii(_source_line(source, lineno) or "")[1:-1] or None)
   try:
     tree = ast.parse(source, CELL_FILENAME, "exec")
   except (SyntaxError, ValueError) as e:  # ValueError: source contains NUL bytes

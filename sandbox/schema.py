@@ -24,13 +24,43 @@ STATUSES = (
 ISOLATION_LEVELS = ("bwrap", "rlimits+uid", "rlimits")
 
 
+MAX_ID_CHARS = 128
+MAX_SESSION_ID_CHARS = 256
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 def _check_timeout(timeout: Any, where: str) -> None:
   if timeout is None:
     return
   if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-    raise ValueError(f"{where}: timeout must be a number of seconds, got {timeout!r}")
+    raise ValueError(f"{where}: timeout must be a number of seconds, got {_short(timeout)}")
+  if isinstance(timeout, int):  # exact: float() of a 400-digit int overflows
+    if timeout <= 0:
+      raise ValueError(f"{where}: timeout must be > 0 and finite, got {_short(timeout)}")
+    if timeout > 10**9:
+      raise ValueError(f"{where}: timeout must be a finite number of seconds, got an integer of "
+                       f"{len(str(timeout))} digits")
+    return
   if not math.isfinite(timeout) or timeout <= 0:
-    raise ValueError(f"{where}: timeout must be > 0 and finite, got {timeout!r}")
+    raise ValueError(f"{where}: timeout must be > 0 and finite, got {_short(timeout)}")
+
+
+def check_call_id(call_id: Any, where: str = "Call") -> None:
+  """Call ids: 1-128 characters of [A-Za-z0-9-_.:] (they travel in logs and JSON keys)."""
+  if call_id is None:
+    return
+  if not isinstance(call_id, str) or not 1 <= len(call_id) <= MAX_ID_CHARS \
+      or not _ID_CHARS.issuperset(call_id):
+    raise ValueError(f"{where}: id must be a str of 1-{MAX_ID_CHARS} characters from "
+                     f"[A-Za-z0-9-_.:], got {_short(call_id)}")
+
+
+CALL_FIELDS = frozenset({"code", "input", "timeout", "session_id", "id"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,11 +71,15 @@ class Call:
   input: text fed to the program's stdin.
   timeout: wall-clock seconds; None means the server's default.
   session_id: calls sharing an id see each other's globals (see README).
+  id: names the call for exactly-once delivery: a server that has seen the id
+    answers with the stored result instead of running it again. The client fills
+    in a unique id when None.
   """
   code: str
   input: str = ""
   timeout: float | None = None
   session_id: str | None = None
+  id: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.code, str):
@@ -54,7 +88,11 @@ class Call:
       raise ValueError(f"Call.input must be a str, got {type(self.input).__name__}")
     _check_timeout(self.timeout, "Call")
     if self.session_id is not None and (not isinstance(self.session_id, str) or not self.session_id):
-      raise ValueError(f"Call.session_id must be a non-empty str or None, got {self.session_id!r}")
+      raise ValueError(f"Call.session_id must be a non-empty str or None, got {_short(self.session_id)}")
+    if self.session_id is not None and len(self.session_id) > MAX_SESSION_ID_CHARS:
+      raise ValueError(f"Call.session_id must be at most {MAX_SESSION_ID_CHARS} characters, "
+                       f"got {len(self.session_id)}")
+    check_call_id(self.id, "Call")
 
   def to_dict(self) -> dict[str, Any]:
     d: dict[str, Any] = {"code": self.code}
@@ -64,6 +102,8 @@ class Call:
       d["timeout"] = self.timeout
     if self.session_id is not None:
       d["session_id"] = self.session_id
+    if self.id is not None:
+      d["id"] = self.id
     return d
 
   @classmethod
@@ -75,15 +115,17 @@ class Call:
       return cls(code=obj)
     if not isinstance(obj, Mapping):
       raise ValueError(f"{where}: expected a Call, str or mapping, got {type(obj).__name__}")
-    unknown = set(obj) - {"code", "input", "timeout", "session_id"}
+    unknown = set(obj) - CALL_FIELDS
     if unknown:
-      raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; "
-                       "known: code, input, timeout, session_id")
+      names = sorted(_short(k, 40) if not isinstance(k, str) or len(k) > 40 else k for k in unknown)
+      raise ValueError(f"{where}: unknown field(s) {names}; "
+                       f"known: {', '.join(sorted(CALL_FIELDS))}")
     if "code" not in obj:
       raise ValueError(f"{where}: missing required field 'code'")
     try:
-      return cls(code=obj["code"], input=obj.get("input") or "",
-                 timeout=obj.get("timeout"), session_id=obj.get("session_id"))
+      inp = obj.get("input")
+      return cls(code=obj["code"], input="" if inp is None else inp,
+                 timeout=obj.get("timeout"), session_id=obj.get("session_id"), id=obj.get("id"))
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from None
 
@@ -110,6 +152,7 @@ class Result:
   session_id: str | None = None
   session_new: bool | None = None  # True: this call started a fresh session state
   server: str | None = None        # filled in by the client: the URL that answered
+  call_id: str | None = None       # the call's id (see Call.id)
 
   def __post_init__(self):
     if self.status not in STATUSES:

@@ -1,5 +1,8 @@
 """Fixtures for the sandbox tests: one real server per test module.
 
+Deadlines are generous (60 s by default; tests that race a deadline set a short
+one and allow seconds of slack): the suite must hold at a load average of 10+.
+
 SANDBOX_TEST_ISOLATION=rlimits runs the modules below on the fallback (what a
 host without bubblewrap gets); the default takes bwrap where it works.
 """
@@ -15,9 +18,10 @@ from sandbox.launcher import running_server
 
 @pytest.fixture(scope="module")
 def server_url():
-  with running_server(max_children=32, pool_size=2,
-                      isolation=os.environ.get("SANDBOX_TEST_ISOLATION", "auto"),
-                      extra_args=["--max-timeout", "30", "--default-timeout", "5"]) as url:
+  isolation = os.environ.get("SANDBOX_TEST_ISOLATION", "auto")
+  with running_server(max_children=32, pool_size=2, isolation=isolation,
+                      allow_weak_isolation=True if isolation == "rlimits" else None,
+                      extra_args=["--max-timeout", "120", "--default-timeout", "60"]) as url:
     yield url
 
 

@@ -14,8 +14,11 @@ class Stub:
   """A fake sandbox server on 127.0.0.1 whose answers a test scripts."""
 
   def __init__(self, fail_first: int = 0, status: int = 503, delay: float = 0.0,
-               result_status: str = "ok", port: int | None = None):
+               result_status: str = "ok", port: int | None = None, drop_first: int = 0):
     self.requests = 0
+    self.drop_first = drop_first  # take the request, then drop the connection unanswered
+    self.bodies: list[dict] = []
+    self.ran: dict[str, int] = {}
     self.calls: list[dict] = []
     self.fail_first, self.status, self.delay = fail_first, status, delay
     self.result_status = result_status
@@ -25,11 +28,19 @@ class Stub:
   async def _execute(self, request):
     self.requests += 1
     body = await request.json()
+    self.bodies.append(body)
     if self.requests <= self.fail_first:
       return web.Response(status=self.status, text="scripted failure")
+    fresh = [c for c in body["calls"] if c["id"] not in self.ran]
+    for c in fresh:  # what a real server does: an id it has seen is answered, not re-run
+      self.ran[c["id"]] = self.ran.get(c["id"], 0) + 1
+    if self.requests <= self.drop_first:
+      request.transport.close()
+      await asyncio.sleep(0.05)
+      return web.Response(status=200)
     if self.delay:
       await asyncio.sleep(self.delay)
-    self.calls += body["calls"]
+    self.calls += fresh
     return web.json_response({"results": [
         {"status": self.result_status, "stdout": c["code"], "isolation": "stub"} for c in body["calls"]]})
 
@@ -166,4 +177,55 @@ def test_bad_input_raises_clear_errors():
     async with SandboxClient(["http://127.0.0.1:9"]) as client:
       with pytest.raises(ValueError, match=r"calls\[1\]: missing required field 'code'"):
         await client.execute(["print(1)", {"input": "x"}])
+  asyncio.run(main())
+
+
+def test_lost_answer_is_asked_again_of_the_same_server_with_the_same_ids():
+  async def main():
+    a, b = Stub(drop_first=1), Stub()
+    urls = [await a.start(), await b.start()]
+    async with SandboxClient(urls, batch_size=8, backoff_s=0.01) as client:
+      client._rr = 1  # the first pick is A (fewest in flight, round robin from A)
+      rs = await client.execute(_calls(4))
+      assert [r.stdout for r in rs] == [f"c{i}" for i in range(4)]
+      assert {r.server for r in rs} == {urls[0]}
+      assert a.requests == 2 and b.requests == 0  # pinned to A, never sent elsewhere
+      assert [c["id"] for c in a.bodies[0]["calls"]] == [c["id"] for c in a.bodies[1]["calls"]]
+      assert all(n == 1 for n in a.ran.values()) and len(a.ran) == 4
+      assert len({r.call_id for r in rs}) == 4
+    await a.stop()
+    await b.stop()
+  asyncio.run(main())
+
+
+def test_a_server_that_dies_after_taking_the_request_gets_no_rerun_elsewhere():
+  async def main():
+    a, b = Stub(drop_first=1), Stub()
+    urls = [await a.start(), await b.start()]
+    async with SandboxClient(urls, batch_size=8, backoff_s=0.2) as client:
+      client._rr = 1
+      task = asyncio.ensure_future(client.execute(_calls(3)))
+      while a.requests == 0:
+        await asyncio.sleep(0.01)
+      await a.stop()  # gone before the retry: the calls may have run there
+      rs = await task
+      assert [r.status for r in rs] == ["internal_error"] * 3
+      assert "may have run and are not re-run" in rs[0].error_message
+      assert b.requests == 0
+      rs = await client.execute(_calls(2))  # new calls go to B
+      assert [r.server for r in rs] == [urls[1]] * 2
+    await b.stop()
+  asyncio.run(main())
+
+
+def test_client_ids_are_unique_and_kept_when_given():
+  async def main():
+    stub = Stub()
+    url = await stub.start()
+    async with SandboxClient([url], batch_size=3) as client:
+      rs = await client.execute(_calls(5) + [{"code": "x", "id": "mine-1"}])
+      ids = [c["id"] for c in stub.calls]
+      assert len(set(ids)) == 6 and "mine-1" in ids
+      assert rs[-1].call_id == "mine-1" and len({r.call_id for r in rs}) == 6
+    await stub.stop()
   asyncio.run(main())

@@ -12,7 +12,7 @@ from sandbox.launcher import _descendants, health, running_server
 
 @pytest.fixture(scope="module")
 def fallback():
-  with running_server(max_children=8, isolation="rlimits") as url:
+  with running_server(max_children=8, isolation="rlimits", allow_weak_isolation=True) as url:
     pid = health(url)["pid"]
     tree = [pid] + _descendants(pid)
     with SyncSandboxClient([url]) as client:
@@ -82,3 +82,88 @@ def test_a_dead_worker_is_restarted(fallback):
     assert results[0].status == "internal_error"  # while it restarts, never a wrong answer
     time.sleep(0.2)
   assert results[0].stdout == "back\n"
+
+
+def _start_refused(args, env=None):
+  import subprocess
+  import sys
+  from sandbox.launcher import _REPO_ROOT, free_port
+  return subprocess.run([sys.executable, "-m", "sandbox.server", "--port", str(free_port()), *args],
+                        cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_weak_isolation_needs_the_flag():
+  p = _start_refused(["--isolation", "rlimits"])
+  assert p.returncode != 0 and "--allow-weak-isolation" in p.stderr
+  assert "world-readable" in p.stderr  # it says what weak isolation gives up
+  # auto on a host without bubblewrap (no bwrap on PATH) refuses too, and says how to get it.
+  import sys
+  env = dict(os.environ, PATH=os.path.dirname(sys.executable))
+  p = _start_refused(["--isolation", "auto"], env=env)
+  assert p.returncode != 0 and "apt-get install -y bubblewrap" in p.stderr
+  assert "--allow-weak-isolation" in p.stderr
+
+
+def test_fallback_closes_network_shm_and_daemon_holes():
+  if os.geteuid() != 0:
+    pytest.skip("the fallback closes these holes only as root")
+  import signal
+  with running_server(max_children=4, isolation="rlimits", allow_weak_isolation=True,
+                      extra_args=["--preload", "math,json,time,socket,encodings.idna"]) as url:
+    h = health(url)
+    assert h["private_net"] and h["private_tmp"]
+    port = int(url.rsplit(":", 1)[1])
+    with SyncSandboxClient([url]) as client:
+      net, shm1, shm2, daemon = client.execute([
+          {"code": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"},
+          {"code": "open('/dev/shm/left', 'w').write('x')\nimport os\nprint(os.listdir('/dev/shm'))"},
+          {"code": "import os\nprint(os.listdir('/dev/shm'))"},
+          {"code": "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n  os.setsid()\n"
+                   "  if os.fork() == 0:\n    os.write(w, str(os.getpid()).encode())\n"
+                   "    time.sleep(120)\n  os._exit(0)\nprint(os.read(r, 20).decode())"}])
+    assert net.status == "error" and net.error_type in ("OSError", "ConnectionRefusedError"), net
+    assert (shm1.stdout, shm2.stdout) == ("['left']\n", "[]\n")
+    assert not os.path.exists("/dev/shm/left")
+    pid = int(daemon.stdout)
+    # The call's end already swept its uid; a daemon of a call still running when the
+    # server is SIGKILLed is swept by the warm parent as it goes (parent-death signal).
+    holder = {"code": "import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(120)\n"
+                      "print(os.getpid(), flush=True)\ntime.sleep(120)", "timeout": 60}
+    import threading
+    from sandbox.client import SyncSandboxClient as Sync
+    with Sync([url], max_retries=0) as c2:
+      t = threading.Thread(target=c2.execute, args=([holder],), daemon=True)
+      t.start()
+      import time
+      deadline = time.monotonic() + 30
+      victims = []
+      while time.monotonic() < deadline and not victims:
+        time.sleep(0.2)
+        victims = [p for p in _descendants(h["pid"]) if _uid(p) >= 1 << 20]
+      assert victims, "the holder call did not start"
+      os.kill(h["pid"], signal.SIGKILL)
+      orphans = set(victims)
+      deadline = time.monotonic() + 30
+      while time.monotonic() < deadline and _living(orphans | {pid}):
+        time.sleep(0.1)
+      assert not _living(orphans | {pid})
+
+
+def _uid(pid):
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return int(next(l for l in f if l.startswith("Uid:")).split()[1])
+  except (OSError, StopIteration):
+    return -1
+
+
+def _living(pids):
+  out = set()
+  for p in pids:
+    try:
+      with open(f"/proc/{p}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+          out.add(p)
+    except OSError:
+      pass
+  return out

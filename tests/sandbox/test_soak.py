@@ -1,7 +1,8 @@
-"""Soak: 5,000 mixed calls (good, failing, hostile) at concurrency 32.
+"""Soak: 4,000 mixed calls (good, failing, hostile: memory hogs, /tmp fillers, crashes,
+floods, timeouts) at concurrency 32.
 
 Every call carries a unique token; each result must be the one for its call:
-nothing lost, nothing duplicated, nothing swapped.
+nothing lost, nothing duplicated, nothing swapped, nothing run twice.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import random
 from sandbox.client import SandboxClient
 from sandbox.launcher import running_server
 
-N_CALLS = 5000
+N_CALLS = 4000
 
 
 def _mixed_calls(n: int, seed: int = 0):
@@ -36,10 +37,20 @@ def _mixed_calls(n: int, seed: int = 0):
     elif u < 0.98:
       calls.append({"code": f"print({i}, flush=True)\nimport ctypes\nctypes.string_at(0)"})
       expect.append(("killed", f"{i}\n"))
-    elif u < 0.99:
+    elif u < 0.985:
       calls.append({"code": f"print({i})\nx = bytearray(10 * 1024**3)"})
       expect.append(("memory_exceeded", f"{i}\n"))
-    elif u < 0.995:
+    elif u < 0.99:
+      calls.append({"code": f"print({i})\nchunks = []\nwhile True:\n  chunks.append(bytearray(32 << 20))",
+                    "timeout": 60})
+      expect.append(("memory_exceeded", f"{i}\n"))
+    elif u < 0.993:  # fills its /tmp: ENOSPC for it alone
+      calls.append({"code": "import errno\ntry:\n  for k in range(8):\n"
+                            "    open(f'/tmp/f{k}', 'wb').write(b'x' * (50 << 20))\n"
+                            f"except OSError as e:\n  print({i}, errno.errorcode[e.errno])",
+                    "timeout": 60})
+      expect.append(("ok", f"{i} ENOSPC\n"))
+    elif u < 0.996:
       # The deadline counts from the hand-over: a busy machine may kill it before it prints.
       calls.append({"code": f"print({i}, flush=True)\nwhile True:\n  pass", "timeout": 0.3})
       expect.append(("timeout", ("", f"{i}\n")))
@@ -60,9 +71,11 @@ def test_soak_5000_mixed_calls_at_concurrency_32():
       async with SandboxClient([url], max_concurrency=32, batch_size=8) as client:
         results = await client.execute(calls)
         stats = (await client.stats())[url]
-    return results, stats
+        tmp = (await client.execute(["import os\nprint(os.listdir('/tmp'))"]))[0]
+    return results, stats, tmp
 
-  results, stats = asyncio.run(main())
+  results, stats, tmp = asyncio.run(main())
+  assert tmp.stdout == "[]\n"  # no call's files are left for the next
   assert len(results) == N_CALLS
   def matches(r, want):
     status, stdout = want
@@ -75,6 +88,6 @@ def test_soak_5000_mixed_calls_at_concurrency_32():
   bad = [(i, r.status, r.stdout[:40], want) for i, (r, want) in enumerate(zip(results, expect))
          if not matches(r, want)]
   assert not bad, f"{len(bad)} mismatched results, first: {bad[:5]}"
-  assert stats["calls"] == N_CALLS
+  assert stats["calls"] == N_CALLS and stats["replayed"] == 0  # each call ran exactly once
   assert stats["statuses"]["internal_error"] == 0
   assert sum(stats["statuses"].values()) == N_CALLS

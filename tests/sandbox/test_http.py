@@ -1,0 +1,195 @@
+"""Malformed and hostile requests against a real server: always a 4xx naming the
+problem, never a 500, and the server stays healthy. Plus call ids (exactly once)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sandbox.launcher import health, running_server
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+CLIENT_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def url():
+  # A light warm parent: these tests are about the HTTP layer.
+  with running_server(max_children=8, pool_size=1,
+                      extra_args=["--preload", "math,json", "--max-body-mb", "1",
+                                  "--client-timeout", str(CLIENT_TIMEOUT), "--max-batch", "64",
+                                  "--max-timeout", "30"]) as u:
+    yield u
+
+
+def post(url, path, body, content_type="application/json", raw=False):
+  """(HTTP status, parsed JSON answer)."""
+  data = body if raw else json.dumps(body).encode()
+  headers = {} if content_type is None else {"Content-Type": content_type}
+  req = urllib.request.Request(f"{url}{path}", data=data, headers=headers, method="POST")
+  try:
+    with _OPENER.open(req, timeout=60) as resp:
+      return resp.status, json.loads(resp.read())
+  except urllib.error.HTTPError as e:
+    text = e.read()
+    try:
+      return e.code, json.loads(text)
+    except ValueError:
+      return e.code, {"error": text.decode(errors="replace")}
+
+
+def stats(url):
+  with _OPENER.open(f"{url}/stats", timeout=10) as resp:
+    return json.loads(resp.read())
+
+
+BIG = "1" + "0" * 400
+# (raw body, expected status, words the error must contain)
+BAD_BODIES = [
+    (b"", 400, "not valid JSON"),
+    (b"{", 400, "not valid JSON"),
+    (b"\xff\xfe{}", 400, "not UTF-8"),
+    (b"[]", 400, "must be a JSON object"),
+    (b"null", 400, "must be a JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"calls": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "nested too deeply"),
+    (b'{"calls": "print(1)"}', 400, "'calls' must be a list"),
+    (b'{}', 400, "list field 'calls'"),
+    (b'{"calls": [], "timeout": 0.001}', 400, "unknown field(s) ['timeout']"),
+    (b'{"calls": [{"code": "1", "timeot": 1}]}', 400, "calls[0]: unknown field(s) ['timeot']"),
+    (b'{"calls": [{"code": "1", "input": {"nested": 1}}]}', 400, "calls[0]: Call.input must be a str"),
+    (b'{"calls": [{"input": "x"}]}', 400, "calls[0]: missing required field 'code'"),
+    (b'{"calls": [1]}', 400, "calls[0]: expected an object"),
+    (b'{"calls": ["print(1)"]}', 400, "calls[0]: expected an object"),
+    (b'{"calls": [{"code": 5}]}', 400, "Call.code must be a str"),
+    (b'{"calls": [{"code": "1", "timeout": ' + BIG.encode() + b'}]}', 400, "integer of 401 digits"),
+    (b'{"calls": [{"code": "1", "timeout": -' + BIG.encode() + b'}]}', 400, "timeout must be > 0"),
+    (b'{"calls": [{"code": "1", "timeout": 1' + b"0" * 5000 + b'}]}', 400, "not valid JSON"),
+    (b'{"calls": [{"code": "1", "timeout": 1e999}]}', 400, "finite"),
+    (b'{"calls": [{"code": "1", "timeout": NaN}]}', 400, "NaN is not valid JSON"),
+    (b'{"calls": [{"code": "1", "timeout": -Infinity}]}', 400, "-Infinity is not valid JSON"),
+    (b'{"calls": [{"code": "1", "timeout": 0}]}', 400, "timeout must be > 0"),
+    (b'{"calls": [{"code": "1", "timeout": 5e-324}]}', 200, ""),  # tiny but valid: times out
+    (b'{"calls": [{"code": "1", "timeout": true}]}', 400, "timeout must be a number"),
+    (b'{"calls": [{"code": "1", "timeout": "3"}]}', 400, "timeout must be a number"),
+    (b'{"calls": [{"code": "1", "timeout": 31}]}', 400, "exceeds the server's max_timeout"),
+    (b'{"calls": [{"code": "1", "session_id": ""}]}', 400, "session_id must be a non-empty str"),
+    (b'{"calls": [{"code": "1", "session_id": 7}]}', 400, "session_id must be a non-empty str"),
+    (b'{"calls": [{"code": "1", "id": "a b"}]}', 400, "id must be a str of 1-128 characters"),
+    (b'{"calls": [{"code": "1", "id": "' + b"x" * 129 + b'"}]}', 400, "id must be a str"),
+    (b'{"calls": [{"code": "1", "id": 3}]}', 400, "id must be a str"),
+    (b'{"calls": [{"code": "1", "id": "d"}, {"code": "2", "id": "d"}]}', 400, "appears twice"),
+    (json.dumps({"calls": [{"code": "1"}] * 65}).encode(), 400, "too many calls in one request: 65 > 64"),
+    (b'{"calls": [], "expect_instance": 3}', 400, "'expect_instance' must be a str"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD_BODIES,
+                         ids=[f"{i}-{b[:24]!r}" for i, (b, _, _) in enumerate(BAD_BODIES)])
+def test_malformed_bodies_get_a_4xx_naming_the_problem(url, body, status, needle):
+  code, answer = post(url, "/execute", body, raw=True)
+  assert code == status, answer
+  if status != 200:
+    assert needle in answer["error"], answer
+  else:
+    assert answer["results"][0]["status"] == "timeout"
+
+
+def test_content_type_and_size(url):
+  body = json.dumps({"calls": [{"code": "print(1)"}]}).encode()
+  for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"):
+    code, answer = post(url, "/execute", body, content_type=ctype, raw=True)
+    assert code == 415 and ("Content-Type" in answer["error"] or "UTF-8" in answer["error"]), (ctype, answer)
+  code, answer = post(url, "/execute", body, content_type="application/json; charset=utf-8", raw=True)
+  assert code == 200 and answer["results"][0]["stdout"] == "1\n"
+  big = json.dumps({"calls": [{"code": "x = '" + "a" * (2 << 20) + "'"}]}).encode()
+  code, answer = post(url, "/execute", big, raw=True)
+  assert code == 413 and "--max-body-mb 1" in answer["error"], answer
+  code, answer = post(url, "/sessions/close", b'{"session_ids": [], "all": true}', raw=True)
+  assert code == 400 and "unknown field(s) ['all']" in answer["error"]
+  code, answer = post(url, "/sessions/close", b'{"session_ids": ["a"]}', content_type="text/plain", raw=True)
+  assert code == 415
+
+
+def test_lone_surrogates_are_a_syntax_error_of_the_call_not_of_the_server(url):
+  # What a model's broken emoji escape ("\ud83d" without its pair) decodes to: the code
+  # cannot be compiled (a tool error the model sees); as stdin it is just data.
+  code, answer = post(url, "/execute", {"calls": [
+      {"code": "print('ok')\ns = '\ud83d'\nprint(s)"},
+      {"code": "x = input()\nprint(len(x), ascii(x))", "input": "a\udc00b"},
+      {"code": "print('fine')", "session_id": "sur\udfff"}]})
+  assert code == 200, answer
+  a, b, c = answer["results"]
+  assert (a["status"], a["error_type"], a["error_line"]) == ("error", "SyntaxError", 2)
+  assert "lone surrogate '\\ud83d'" in a["error_message"] and a["error_source"] == "s = '\\ud83d'"
+  assert b["status"] == "ok" and b["stdout"] == "3 'a\\udc00b'\n"
+  assert c["status"] == "ok" and c["stdout"] == "fine\n"
+
+
+def test_no_500_and_healthy_after_all_of_it(url):
+  for body, _, _ in BAD_BODIES:
+    code, _ = post(url, "/execute", body, raw=True)
+    assert code < 500
+  s = stats(url)
+  assert s["statuses"]["internal_error"] == 0
+  assert health(url)["status"] == "ok"
+
+
+def _raw_socket(url):
+  host, port = url.rsplit("/", 1)[1].split(":")
+  return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_slow_clients_time_out(url):
+  # A body that never completes: 408 after the client timeout.
+  with _raw_socket(url) as s:
+    s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"calls\"")
+    t = time.monotonic()
+    answer = s.recv(4096)
+    assert b" 408 " in answer.split(b"\r\n")[0] and b"did not arrive within" in answer
+    assert time.monotonic() - t >= CLIENT_TIMEOUT * 0.9
+  # Headers that never complete: the connection is closed.
+  with _raw_socket(url) as s:
+    s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-")
+    t = time.monotonic()
+    assert s.recv(4096) == b""  # closed by the server (the 30 s socket timeout would raise)
+    assert time.monotonic() - t >= CLIENT_TIMEOUT * 0.9
+  assert health(url)["status"] == "ok"
+
+
+def test_a_call_id_runs_once(url):
+  call = {"code": "import random\nprint(random.random())", "id": "once-1"}
+  before = stats(url)
+  code1, a1 = post(url, "/execute", {"calls": [call]})
+  code2, a2 = post(url, "/execute", {"calls": [call, {"code": "print(2)", "id": "once-2"}]})
+  assert code1 == code2 == 200
+  assert a1["results"][0]["stdout"] == a2["results"][0]["stdout"]  # the stored result
+  assert a2["results"][0]["call_id"] == "once-1" and a2["results"][1]["stdout"] == "2\n"
+  after = stats(url)
+  assert after["calls"] - before["calls"] == 2  # once-1 ran once, once-2 once
+  assert after["replayed"] - before["replayed"] == 1
+  # The same id for different code is refused, nothing runs.
+  code, answer = post(url, "/execute", {"calls": [{"code": "print(3)", "id": "once-1"}]})
+  assert code == 409 and "already used for a different call" in answer["error"]
+  # A retry that expects another server instance (this one restarted) is refused too.
+  code, answer = post(url, "/execute", {"calls": [call], "expect_instance": "0" * 32})
+  assert code == 409 and "restarted" in answer["error"]
+  assert stats(url)["calls"] == after["calls"]
+
+
+def test_a_retry_while_the_call_still_runs_waits_for_the_same_run(url):
+  import concurrent.futures
+  call = {"code": "import time, random\ntime.sleep(1)\nprint(random.random())", "id": "slow-1"}
+  before = stats(url)["calls"]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    first = pool.submit(post, url, "/execute", {"calls": [call]})
+    time.sleep(0.3)
+    second = pool.submit(post, url, "/execute", {"calls": [call]})
+    (c1, a1), (c2, a2) = first.result(), second.result()
+  assert c1 == c2 == 200 and a1["results"][0]["stdout"] == a2["results"][0]["stdout"]
+  assert stats(url)["calls"] - before == 1
