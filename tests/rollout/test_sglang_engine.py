@@ -1,0 +1,380 @@
+"""The SGLang client (`rollout/sglang_engine.py`) on its own.
+
+  * contract: the request bodies it builds validate against SGLang 0.5.23's schema read
+    from the pip-downloaded wheel (see `conftest.SGLangSchema` for exactly what is
+    checked); an unknown sampling key is rejected by that schema;
+  * behaviour against tiny aiohttp fake servers on 127.0.0.1: malformed replies give a
+    clear error and are never re-sent; connection drops are retried with backoff;
+    a 400 is not retried; a model / vocabulary mismatch is refused at connect; a dead
+    server leaves rotation and is probed back; /flush_cache is retried while 400; a
+    weight update whose version /model_info does not confirm fails.
+Replies of our real server and whole trajectories are in test_server.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+
+from aiohttp import web
+import pytest
+
+from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout.engine import GenerationRequest
+from rstar_jax.rollout.server import SAMPLING_FIELDS
+
+from tests.rollout.conftest import free_port
+
+
+# ---- contract of the bodies ---------------------------------------------------------
+REQUESTS = [
+    GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=8, seed=5, request_id="r0"),
+    GenerationRequest(input_ids=[7], max_new_tokens=1, stop_token_ids=(3, 4), temperature=0.0,
+                      top_p=0.9, top_k=20, seed=0, request_id="u/turn3"),
+    GenerationRequest(input_ids=list(range(100)), max_new_tokens=500, temperature=0.7,
+                      top_p=1.0, top_k=0, seed=2 ** 31 - 2),
+]
+
+
+def test_our_sampling_fields_are_sglangs(sglang_schema):
+  assert SAMPLING_FIELDS == sglang_schema.sampling_fields
+
+
+@pytest.mark.parametrize("i", range(len(REQUESTS)))
+def test_generate_body_validates_against_sglang(sglang_schema, i):
+  req = REQUESTS[i]
+  body = se.generate_body(req, rid=f"rid-{i}")
+  sglang_schema.check_generate_request(body)
+  sp = body["sampling_params"]
+  assert sp["top_k"] == (req.top_k if req.top_k > 0 else -1)   # SGLang rejects 0
+  assert sp["sampling_seed"] == req.seed and sp["stop_token_ids"] == list(req.stop_token_ids)
+  assert sp["no_stop_trim"] is True and sp["skip_special_tokens"] is False
+  assert sp["spaces_between_special_tokens"] is False and body["stream"] is False
+  decoded = sglang_schema.api.GenerateRequest.from_json_value(body)
+  assert decoded.sampling_params.max_new_tokens == req.max_new_tokens
+
+
+def test_schema_rejects_unknown_sampling_keys(sglang_schema):
+  body = se.generate_body(REQUESTS[0], rid="x")
+  body["sampling_params"]["top_k_typo"] = 3
+  with pytest.raises(sglang_schema.api.JsonContractError, match="unknown field `top_k_typo`"):
+    sglang_schema.api.GenerateRequest.from_json_value(body)
+  with pytest.raises(AssertionError, match="undeclared"):   # and top-level ones by our check
+    sglang_schema.check_generate_request(dict(se.generate_body(REQUESTS[0], rid="x"), seed=1))
+
+
+def test_admin_bodies_validate_against_sglang(sglang_schema):
+  sglang_schema.check_abort_request(se.abort_body("some-rid"))
+  for mode in se.PAUSE_MODES:
+    sglang_schema.check_pause_request(se.pause_body(mode))
+  assert set(se.PAUSE_MODES) == sglang_schema.pause_modes
+  sglang_schema.check_continue_request(se.continue_body())
+  sglang_schema.check_update_request(se.update_weights_body("/ckpt/step_3", "3"))
+  sglang_schema.check_update_request(se.update_weights_body("/ckpt/step_3", "3",
+                                                            abort_all_requests=True))
+  with pytest.raises(ValueError, match="pause mode"):
+    se.pause_body("freeze")
+
+
+# ---- a fake server -------------------------------------------------------------------
+def good_reply(body, ids=(5, 6, 2), version="default"):
+  return {"text": "", "output_ids": list(ids), "meta_info": {
+      "id": body["rid"], "finish_reason": {"type": "stop", "matched": ids[-1]},
+      "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+      "cached_tokens": 0, "weight_version": version,
+      "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+
+
+class FakeServer:
+  """An aiohttp app on 127.0.0.1 in its own thread; `generate(body)` decides replies:
+  a dict (JSON 200), (status, payload), or "drop" (connection closed, no reply)."""
+
+  def __init__(self, generate=None, *, vocab_dir: str = "", port: int | None = None):
+    self.port = port or free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.generate = generate or good_reply
+    self.model_path = vocab_dir
+    self.weight_version = "default"
+    self.report_version = None
+    self.healthy = True
+    self.flush_answers: list[int] = []
+    self.calls: list[tuple[str, object]] = []
+    self.loop = asyncio.new_event_loop()
+    self._started = threading.Event()
+    self.thread = threading.Thread(target=self._run, daemon=True)
+    self.thread.start()
+    assert self._started.wait(10)
+
+  def _run(self):
+    asyncio.set_event_loop(self.loop)
+    app = web.Application()
+    app.router.add_post("/generate", self._generate)
+    app.router.add_get("/health", self._health)
+    app.router.add_get("/model_info", self._model_info)
+    app.router.add_get("/server_info", self._server_info)
+    app.router.add_get("/v1/loads", self._loads)
+    app.router.add_post("/flush_cache", self._flush)
+    for route in ("/pause_generation", "/continue_generation", "/abort_request"):
+      app.router.add_post(route, self._ok)
+    app.router.add_post("/update_weights_from_disk", self._update)
+    self.runner = web.AppRunner(app)
+    self.loop.run_until_complete(self.runner.setup())
+    self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+    self._started.set()
+    self.loop.run_forever()
+
+  async def _health(self, request):
+    self.calls.append(("/health", None))
+    return web.Response(status=200 if self.healthy else 503)
+
+  async def _server_info(self, request):
+    self.calls.append(("/server_info", None))
+    return web.json_response({"max_context_length": 64, "max_total_num_tokens": 256})
+
+  async def _loads(self, request):
+    self.calls.append(("/v1/loads", None))
+    return web.json_response({"loads": [{"num_total_tokens": 0, "max_total_num_tokens": 256}]})
+
+  async def _generate(self, request):
+    body = await request.json()
+    self.calls.append(("/generate", body))
+    out = self.generate(body)
+    if out == "drop":
+      request.transport.abort()
+      await asyncio.sleep(0.05)
+      return web.Response()
+    if isinstance(out, tuple):
+      status, payload = out
+      if isinstance(payload, str):
+        return web.Response(status=status, text=payload)
+      return web.json_response(payload, status=status)
+    return web.json_response(out)
+
+  async def _model_info(self, request):
+    self.calls.append(("/model_info", None))
+    return web.json_response({"model_path": self.model_path, "is_generation": True,
+                              "weight_version": self.report_version or self.weight_version,
+                              "model_type": "qwen3"})
+
+  async def _flush(self, request):
+    self.calls.append(("/flush_cache", None))
+    status = self.flush_answers.pop(0) if self.flush_answers else 200
+    return web.Response(status=status, text="flush")
+
+  async def _ok(self, request):
+    self.calls.append((request.path, await request.json()))
+    return web.json_response({"message": "ok", "status": "ok"})
+
+  async def _update(self, request):
+    body = await request.json()
+    self.calls.append(("/update_weights_from_disk", body))
+    self.model_path = body["model_path"]
+    self.weight_version = body["weight_version"]
+    return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+  def generates(self) -> int:
+    return sum(r == "/generate" for r, _ in self.calls)
+
+  def stop(self):
+    async def down():
+      await self.runner.cleanup()
+    asyncio.run_coroutine_threadsafe(down(), self.loop).result(10)
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(10)
+
+
+FAST = se.ClientConfig(backoff_s=0.01, backoff_max_s=0.05, retries=2, probe_interval_s=0.05,
+                       load_poll_s=0, startup_timeout_s=10)
+
+
+@pytest.fixture
+def fakes():
+  made = []
+  def make(*args, **kwargs):
+    made.append(FakeServer(*args, **kwargs))
+    return made[-1]
+  yield make
+  for f in made:
+    f.stop()
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+REQ = GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=8, seed=1, request_id="q")
+
+
+def test_good_reply_and_update_weights_is_not_in_memory(fakes):
+  fake = fakes()
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    out = run(eng.generate(REQ))
+    assert (out.output_ids, out.logprobs, out.finish_reason) == ([5, 6, 2], [-0.5] * 3, "stop")
+    assert out.weight_version == "default" and out.server == fake.url
+    assert eng.max_len == 64 and eng.free_kv_tokens() == 256 and eng.num_active() == 0
+    with pytest.raises(NotImplementedError, match="update_weights_from_disk"):
+      eng.update_weights({})
+    with pytest.raises(ValueError, match="do not fit"):   # validated before any HTTP
+      run(eng.generate(GenerationRequest(input_ids=list(range(64)), max_new_tokens=1)))
+  finally:
+    eng.stop()
+
+
+MALFORMED = {
+    "not json": (200, "<html>oops</html>"),
+    "no meta_info": {"text": "", "output_ids": [1]},
+    "no logprobs": lambda b: {"output_ids": [5], "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 5}}},
+    "bad entry": lambda b: {"meta_info": {"finish_reason": {"type": "length", "length": 1},
+                                          "output_token_logprobs": [[-0.1]]}},
+    "ids differ": lambda b: dict(good_reply(b), output_ids=[5, 6, 7]),
+    "unknown finish": lambda b: {"meta_info": {"finish_reason": {"type": "done"},
+                                               "output_token_logprobs": []}},
+    "positive logprob": lambda b: {"meta_info": {"finish_reason": {"type": "length"},
+                                                 "output_token_logprobs": [[3.0, 5, None]]}},
+    "outside vocab": lambda b: good_reply(b, ids=(5, 99999)),
+}
+WHAT = {"not json": "not JSON", "no meta_info": "no meta_info", "no logprobs":
+        "output_token_logprobs missing", "bad entry": r"output_token_logprobs\[0\]",
+        "ids differ": "output_ids", "unknown finish": "finish_reason",
+        "positive logprob": "not <= 0", "outside vocab": "outside the vocabulary"}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_reply_is_a_clear_error_and_never_resent(fakes, tmp_path, case):
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"model_type": "qwen3", "vocab_size": 1000}, f)
+  reply = MALFORMED[case]
+  fake = fakes(reply if callable(reply) else (lambda b: reply), vocab_dir=str(tmp_path))
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    with pytest.raises(se.MalformedReplyError, match=WHAT[case]) as info:
+      run(eng.generate(REQ))
+    assert fake.url in str(info.value)
+    assert fake.generates() == 1
+    assert eng.alive   # a bad reply is not a dead server
+  finally:
+    eng.stop()
+
+
+def test_refusal_is_not_retried(fakes):
+  fake = fakes(lambda b: (400, {"error": {"message": "input too long"}}))
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    with pytest.raises(se.ServerRequestError, match="input too long"):
+      run(eng.generate(REQ))
+    assert fake.generates() == 1
+  finally:
+    eng.stop()
+
+
+def test_dropped_connection_is_retried_with_a_new_rid(fakes):
+  seen = []
+  def gen(body):
+    seen.append(body["rid"])
+    return "drop" if len(seen) < 3 else good_reply(body)
+  fake = fakes(gen)
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    out = run(eng.generate(REQ))
+    assert out.output_ids == [5, 6, 2] and len(seen) == 3 and len(set(seen)) == 3
+    assert out.rid == seen[-1] and eng.metrics["retries"] == 2 and eng.alive
+    # The dropped attempts were aborted on the server (it may still hold them).
+    aborted = {b["rid"] for r, b in fake.calls if r == "/abort_request"}
+    for _ in range(100):
+      if aborted >= set(seen[:2]):
+        break
+      run(asyncio.sleep(0.02))
+      aborted = {b["rid"] for r, b in fake.calls if r == "/abort_request"}
+    assert aborted >= set(seen[:2])
+  finally:
+    eng.stop()
+
+
+def test_dead_server_fails_over_leaves_rotation_and_is_probed_back(fakes):
+  a = fakes()
+  b = fakes()
+  engines = se.connect([a.url, b.url], config=FAST)
+  a.generate = lambda body: "drop"   # accepts connections, never answers
+  a.healthy = False
+  try:
+    out = run(engines[0].generate(REQ))
+    assert out.server == b.url and a.generates() == FAST.retries + 1
+    assert not engines[0].alive and engines[0].free_kv_tokens() < -(1 << 30)
+    assert engines[0].metrics["failovers"] == 1
+    # Out of rotation: the next request goes straight to b.
+    out = run(engines[0].generate(REQ))
+    assert out.server == b.url and a.generates() == FAST.retries + 1
+    a.generate = good_reply            # a recovers: the probe brings it back
+    a.healthy = True
+    for _ in range(200):
+      if engines[0].alive:
+        break
+      run(asyncio.sleep(0.02))
+    assert engines[0].alive and engines[0].metrics["probes"] >= 1
+    assert run(engines[0].generate(REQ)).server == a.url
+  finally:
+    for e in engines:
+      e.stop()
+
+
+def test_all_servers_dead_is_a_clear_error(fakes):
+  a = fakes(lambda b: "drop")
+  [eng] = se.connect([a.url], config=FAST)
+  try:
+    with pytest.raises(se.NoServerAvailable, match="no server left for request q"):
+      run(eng.generate(REQ))
+  finally:
+    eng.stop()
+
+
+def test_model_mismatch_is_refused_at_connect(fakes, tmp_path):
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64}, f)
+  fake = fakes(vocab_dir=str(tmp_path))
+  with pytest.raises(se.ServerMismatchError, match=r"vocab_size=1000 \(trainer: 2048\)"):
+    se.connect([fake.url], config=FAST, expected_model={"vocab_size": 2048, "hidden_size": 64})
+  [eng] = se.connect([fake.url], config=FAST,
+                     expected_model={"vocab_size": 1000, "model_type": "qwen3"})
+  assert eng.vocab_size == 1000
+  eng.stop()
+
+
+def test_unreachable_server_at_connect(fakes):
+  url = f"http://127.0.0.1:{free_port()}"
+  with pytest.raises(se.SGLangError, match="no healthy answer from /health"):
+    se.connect([url], config=se.ClientConfig(startup_timeout_s=0.3, backoff_s=0.05))
+
+
+def test_flush_cache_retried_while_400(fakes):
+  fake = fakes()
+  fake.flush_answers = [400, 400]
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    eng.flush_cache()
+    assert sum(r == "/flush_cache" for r, _ in fake.calls) == 3
+    fake.flush_answers = [400] * 50
+    with pytest.raises(se.SGLangError, match="still refused"):
+      eng.flush_cache()
+  finally:
+    eng.stop()
+
+
+def test_weight_update_sequence_and_unconfirmed_version(fakes):
+  fake = fakes()
+  engines = se.connect([fake.url], config=FAST)
+  try:
+    secs = se.update_weights_from_disk(engines, "/ckpt/v7", "7")
+    assert list(secs) == [fake.url]
+    admin = [r for r, _ in fake.calls if r not in ("/health", "/server_info", "/v1/loads")]
+    assert admin[-4:] == ["/pause_generation", "/update_weights_from_disk",
+                          "/continue_generation", "/model_info"]
+    assert engines[0].weight_version == "7"
+    fake.report_version = "6"          # the server claims success but keeps old weights
+    with pytest.raises(se.SGLangError, match="reports weight_version '6' after updating to '8'"):
+      se.update_weights_from_disk(engines, "/ckpt/v8", "8")
+  finally:
+    for e in engines:
+      e.stop()
