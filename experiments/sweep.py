@@ -1,0 +1,111 @@
+r"""python -m experiments.sweep --config experiments/configs/toy.py --workdir /tmp/sweep --sweep rl.downsample.method=roc,uniform --seeds 0,1,2 --workers 2
+
+Runs a sweep of config overrides, one run per point, and tabulates the results.
+
+Points: the config file's `get_sweep([variant])` (a list of override dicts, big_vision's
+get_hyper style) crossed with the Cartesian product of every `--sweep key=v1,v2` and of
+`--seeds` (the key `seed`). `--config.a.b=v` overrides given here go to every point.
+Each point runs `python -m <--module> --config <the same --config> --config.workdir=
+<workdir>/<point name> --config.k=v ...` (stdout and stderr in `<point dir>/sweep.log`),
+up to --workers at once. Finished points (eval_final.json or SWEEP_DONE.json present) are
+skipped on rerun; a failed point is reported with its log and the others go on (the
+sweep then exits 1). `--print_only` prints one shell command per unfinished point and
+runs nothing.
+
+At the end: `<workdir>/results.csv` (one row per point: eval_final.json's pass@1,
+tool-error rate in correct trajectories, response length, ...; the last RL step's
+metrics), `results_seeds.csv` (mean and std over points that differ only in seed) and
+`results.md` (both tables, also printed); `sweep.json` lists every point.
+"""
+import shlex
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from rstar_jax import config_utils
+from rstar_jax import sweep
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "config file (path[:variant]), passed to every point unchanged",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "sweep directory (one sub-directory per point)")
+_SWEEP = flags.DEFINE_multi_string("sweep", [], "key=v1,v2 (repeatable; product over keys)")
+_SEEDS = flags.DEFINE_list("seeds", [], "seeds: adds the axis seed=...")
+_WORKERS = flags.DEFINE_integer("workers", 1, "points run at once")
+_PRINT_ONLY = flags.DEFINE_bool("print_only", False, "print one command per point, run nothing")
+_MODULE = flags.DEFINE_string("module", "experiments.recipe", "python -m module of each point")
+_USE_CONFIG_SWEEP = flags.DEFINE_bool("use_config_sweep", True,
+                                      "use the config file's get_sweep() when it has one")
+_CHILD_ARGS = flags.DEFINE_multi_string("child_arg", [],
+                                        "extra argument for every point, e.g. --stages=sft")
+
+
+def main(argv):
+  try:
+    _main(argv)
+  except sweep.SweepError as e:
+    raise config_utils.ConfigError(str(e)) from None
+  except KeyboardInterrupt:
+    print("interrupted: the points that were running got the signal too; rerun the same "
+          "command to resume (finished points are skipped)", file=sys.stderr)
+    sys.exit(130)
+
+
+def _main(argv):
+  if len(argv) > 1:
+    raise config_utils.ConfigError(f"unexpected arguments {argv[1:]}")
+  if not _WORKDIR.value:
+    raise config_utils.ConfigError("--workdir is required (the sweep's directory)")
+  spec = config_flags.get_config_filename(flags.FLAGS["config"])
+  config = _CONFIG.value
+  base = dict(config_flags.get_override_values(flags.FLAGS["config"]))
+
+  config_points = sweep.load_sweep(spec) if _USE_CONFIG_SWEEP.value else None
+  axes = [sweep.parse_axis(s, config) for s in _SWEEP.value]
+  if _SEEDS.value:
+    try:
+      axes.append((sweep.SEED_KEY, [int(s) for s in _SEEDS.value]))
+    except ValueError:
+      raise config_utils.ConfigError(f"--seeds: integers expected, got {_SEEDS.value}") from None
+  overrides = sweep.cross(config_points or [{}], sweep.product(axes))
+  both = sorted({k for o in overrides for k in o} & set(base))
+  if both:
+    raise config_utils.ConfigError(
+        f"key(s) {both} are both swept and set with --config.<key>=...; give each in one place")
+  sweep.validate(overrides, config)
+  points = sweep.make_points(overrides, _WORKDIR.value)
+
+  def argv_of(p, python=sweep.python_executable()):
+    return sweep.command(p, module=_MODULE.value, config_spec=spec, base_overrides=base,
+                         python=python, extra_args=_CHILD_ARGS.value)
+
+  if _PRINT_ONLY.value:
+    for p in points:
+      marker = sweep.finished(p)
+      if marker:
+        print(f"# {p.name}: finished ({marker})", file=sys.stderr)
+      else:
+        print(shlex.join(argv_of(p, python="python")))
+    return
+
+  n_done = sum(1 for p in points if sweep.finished(p))
+  print(f"sweep: {len(points)} point(s) of {_MODULE.value} with {spec} in {_WORKDIR.value} "
+        f"({n_done} finished before), {_WORKERS.value} at once")
+  for p in points:
+    print(f"  {p.name}")
+  sweep.write_manifest(_WORKDIR.value, points, argv_of)
+  outcomes = sweep.run_points(points, argv_of, workers=_WORKERS.value)
+  sweep.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
+  print(sweep.write_tables(_WORKDIR.value, points, outcomes))
+  print(f"tables: {_WORKDIR.value}/results.md, results.csv, results_seeds.csv")
+  failed = [o for o in outcomes if o.status == "failed"]
+  if failed:
+    print(f"{len(failed)} point(s) failed:", file=sys.stderr)
+    for o in failed:
+      print(f"  {o.point.name}: {o.detail}; log: {o.point.log}", file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  config_utils.run(main)

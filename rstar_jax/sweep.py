@@ -1,0 +1,579 @@
+"""Hyper-parameter sweeps over config overrides: points, names, runs, result tables.
+
+A sweep is a list of points; a point is a dict of config overrides (keys are config
+paths such as "rl.downsample.method", values python values). Points come from a
+config file's `get_sweep()` (big_vision's `get_hyper` style: a list of override
+dicts), from command-line axes (`key=v1,v2`, Cartesian product over keys), or both
+(every config point crossed with every command-line point). `seed` is a key like any
+other, so repeats over seeds are an axis.
+
+Each point runs `python -m <module> --config <spec> --config.workdir=<dir> --config.k=v
+...` in its own work directory `<sweep workdir>/<point name>`, the name made from its
+overrides (sorted by key, e.g. `rl.downsample.method=uniform,seed=1`). A point is
+finished when its `eval_final.json` exists or the run exited 0 (then `SWEEP_DONE.json`
+is written); finished points are skipped on rerun. The result tables read
+`eval_final.json` (and the last row of the last RL stage's metrics) of each point and
+average points that differ only in `seed`.
+
+This is a base-layer module (stdlib, numpy and ml_collections only: config_utils is a
+layer above); the entry point is experiments/sweep.py.
+"""
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import copy
+import csv
+import dataclasses
+import hashlib
+import importlib.util
+import inspect
+import io
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import ml_collections
+import numpy as np
+
+
+
+class SweepError(ValueError):
+  """A bad sweep: unknown key, value of the wrong type, duplicate point, bad flag."""
+
+
+ConfigError = SweepError   # local alias (the entry point reports it as a config error)
+
+DONE_MARKER = "SWEEP_DONE.json"
+FINAL_REPORT = "eval_final.json"
+LOG_NAME = "sweep.log"
+SEED_KEY = "seed"
+RESERVED_KEYS = ("workdir",)   # the sweep sets it per point
+MAX_NAME = 180                 # characters of a point directory name
+
+# Columns of the tables, from eval_final.json (rstar_jax.eval.metrics.EvalReport).
+EVAL_KEYS = ("pass_at_1", "tool_error_rate_correct", "tool_error_rate", "mean_response_tokens",
+             "mean_response_tokens_correct", "tool_calls_per_trajectory", "share_no_tool_call",
+             "share_truncated", "mean_turns")
+# From the last row of the last RL stage's metrics_rl.jsonl, prefixed "last_rl/".
+STAGE_KEYS = ("rollout/reward_mean", "rollout/tool_error_rate_correct",
+              "rollout/model_tokens_mean")
+STAGE_DIRS = ("stage1", "stage2", "stage3")
+
+
+# ---- values and axes -------------------------------------------------------------------
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+  """`text` split at `sep` outside brackets and quotes ("(1,2),3" -> ["(1,2)", "3"])."""
+  parts, depth, quote, cur = [], 0, None, []
+  for ch in text:
+    if quote:
+      cur.append(ch)
+      if ch == quote:
+        quote = None
+      continue
+    if ch in "'\"":
+      quote = ch
+    elif ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == sep and depth == 0:
+      parts.append("".join(cur))
+      cur = []
+      continue
+    cur.append(ch)
+  parts.append("".join(cur))
+  return [p.strip() for p in parts]
+
+
+def parse_value(text: str, field_type: type | None = None) -> Any:
+  """A command-line value: a python literal (1, 0.5, True, None, (1, 2), 'x') or, failing
+  that or for a str field, the text itself."""
+  if field_type is str:
+    try:
+      value = ast.literal_eval(text)
+      return value if isinstance(value, str) else text
+    except (ValueError, SyntaxError):
+      return text
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _field_type(config, key: str) -> type | None:
+  node = config
+  parts = key.split(".")
+  for part in parts[:-1]:
+    if not isinstance(node, (ml_collections.ConfigDict, dict)) or part not in node:
+      return None
+    node = node[part]
+  if isinstance(node, ml_collections.ConfigDict) and parts[-1] in node:
+    try:
+      return node.get_type(parts[-1])
+    except (KeyError, AttributeError):
+      return None
+  return None
+
+
+def parse_axis(spec: str, config=None) -> tuple[str, list[Any]]:
+  """`"key=v1,v2"` -> (key, [v1, v2]); values typed by the config field when given."""
+  key, eq, values = spec.partition("=")
+  key = key.strip()
+  if not eq or not key or not values.strip():
+    raise ConfigError(f"--sweep {spec!r}: expected key=v1,v2,... (e.g. "
+                      "rl.downsample.method=roc,uniform)")
+  if key.startswith("config."):
+    key = key[len("config."):]
+  ftype = _field_type(config, key) if config is not None else None
+  parsed = [parse_value(v, ftype) for v in split_top_level(values)]
+  if any(v == "" for v in parsed):
+    raise ConfigError(f"--sweep {spec!r}: empty value")
+  return key, parsed
+
+
+def product(axes: Sequence[tuple[str, Sequence[Any]]]) -> list[dict[str, Any]]:
+  """Cartesian product of (key, values) axes, first axis slowest; [{}] for no axes."""
+  keys = [k for k, _ in axes]
+  dup = sorted({k for k in keys if keys.count(k) > 1})
+  if dup:
+    raise ConfigError(f"sweep key(s) given twice: {dup}")
+  return [dict(zip(keys, combo)) for combo in itertools.product(*(list(v) for _, v in axes))]
+
+
+def cross(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> list[dict]:
+  """Every point of `a` merged with every point of `b` (keys may not overlap)."""
+  out = []
+  for pa in a:
+    for pb in b:
+      both = sorted(set(pa) & set(pb))
+      if both:
+        raise ConfigError(f"sweep key(s) {both} come from both the config's get_sweep() and "
+                          "the command line; give each key in one place")
+      out.append({**pa, **pb})
+  return out
+
+
+# ---- config files ----------------------------------------------------------------------
+def load_config_module(spec: str):
+  """(module, variant) of a config spec `path.py[:variant]`."""
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config: no such config file {path!r}")
+  mod_spec = importlib.util.spec_from_file_location("_rstar_sweep_cfg", path)
+  if mod_spec is None or mod_spec.loader is None:
+    raise ConfigError(f"--config: cannot load config file {path!r}")
+  module = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(module)
+  return module, variant
+
+
+def _call_with_variant(fn, variant: str):
+  """`fn(variant)` when it takes an argument (big_vision's get_hyper(arg)), else `fn()`."""
+  return fn(variant) if inspect.signature(fn).parameters else fn()
+
+
+def load_config(spec: str):
+  module, variant = load_config_module(spec)
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def load_sweep(spec: str) -> list[dict[str, Any]] | None:
+  """The config file's `get_sweep([variant])` points, checked to be a list of dicts
+  with string keys; None when the file defines no get_sweep."""
+  module, variant = load_config_module(spec)
+  fn = getattr(module, "get_sweep", None)
+  if fn is None:
+    return None
+  points = _call_with_variant(fn, variant)
+  where = f"{spec.partition(':')[0]}: get_sweep()"
+  if not isinstance(points, (list, tuple)) or not points:
+    raise ConfigError(f"{where} must return a non-empty list of override dicts, got "
+                      f"{type(points).__name__}")
+  out = []
+  for i, p in enumerate(points):
+    if not isinstance(p, Mapping) or not all(isinstance(k, str) for k in p):
+      raise ConfigError(f"{where}[{i}]: expected a dict of config path -> value, got {p!r}")
+    out.append(dict(p))
+  return out
+
+
+def validate(points: Sequence[Mapping[str, Any]], config) -> None:
+  """Every key exists in `config` (else the valid keys there are named) and every value
+  fits its field's type; reserved keys (workdir) and duplicate points are refused."""
+  seen: dict[str, int] = {}
+  for i, p in enumerate(points):
+    for key, value in p.items():
+      if key in RESERVED_KEYS:
+        raise ConfigError(f"sweep key {key!r} is set by the sweep itself (one directory per "
+                          "point under --workdir); do not sweep it")
+      walk, walked = config, []
+      for part in key.split("."):
+        if not isinstance(walk, (ml_collections.ConfigDict, dict)) or part not in walk:
+          where = ".".join(walked) or "<top level>"
+          known = (sorted(walk.keys()) if isinstance(walk, (ml_collections.ConfigDict, dict))
+                   else f"none ({where} is a {type(walk).__name__} field)")
+          raise ConfigError(f"sweep key {key!r}: unknown config key {part!r} under {where}; "
+                            f"known keys there: {known}")
+        walk = walk[part]
+        walked.append(part)
+      node = copy.deepcopy(config)
+      parent, _, leaf = key.rpartition(".")
+      target = node
+      for part in parent.split(".") if parent else ():
+        target = target[part]
+      if isinstance(target[leaf], ml_collections.ConfigDict):
+        raise ConfigError(f"sweep key {key!r} is a config section, not a field; sweep one of "
+                          f"its fields: {sorted(target[leaf].keys())}")
+      try:
+        setattr(target, leaf, value)
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}={value!r} does not fit "
+                          f"the config field: {e}") from None
+    name = point_name(p)
+    if name in seen:
+      raise ConfigError(f"sweep points {seen[name]} and {i} are the same ({name})")
+    seen[name] = i
+
+
+# ---- names and commands ----------------------------------------------------------------
+def format_value(value: Any) -> str:
+  """A value as absl/config_flags reads it back (`--config.k=<this>`)."""
+  if isinstance(value, (list, tuple)):
+    return repr(tuple(value))
+  if isinstance(value, float):
+    return repr(value)
+  return str(value)
+
+
+def _name_value(value: Any) -> str:
+  if isinstance(value, (list, tuple)):
+    return "(" + ",".join(_name_value(v) for v in value) + ")"
+  return format_value(value)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+\-()]")
+
+
+def point_name(overrides: Mapping[str, Any]) -> str:
+  """The directory name of a point: `k=v` pairs sorted by key, joined by commas, with
+  characters unsafe in a file name replaced by `_`; long names are cut and end in a
+  hash of the whole; "base" for no overrides."""
+  if not overrides:
+    return "base"
+  raw = ",".join(f"{k}={_name_value(overrides[k])}" for k in sorted(overrides))
+  name = _UNSAFE.sub("_", raw)
+  if name.startswith((".", "-")):
+    name = "_" + name
+  if len(name) > MAX_NAME or name != raw:
+    # Cut or changed: a hash of the exact overrides keeps distinct points distinct.
+    digest = hashlib.sha1(raw.encode()).hexdigest()[:8]
+    name = f"{name[:MAX_NAME - 9]}~{digest}"
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  name: str
+  overrides: dict[str, Any]
+  workdir: str
+
+  @property
+  def log(self) -> str:
+    return os.path.join(self.workdir, LOG_NAME)
+
+
+def make_points(overrides: Sequence[Mapping[str, Any]], sweep_workdir: str) -> list[Point]:
+  root = os.path.abspath(sweep_workdir)
+  return [Point(point_name(o), dict(o), os.path.join(root, point_name(o))) for o in overrides]
+
+
+def override_args(overrides: Mapping[str, Any]) -> list[str]:
+  return [f"--config.{k}={format_value(v)}" for k, v in overrides.items()]
+
+
+def command(point: Point, *, module: str, config_spec: str,
+            base_overrides: Mapping[str, Any] | None = None, python: str = "python",
+            extra_args: Sequence[str] = ()) -> list[str]:
+  """argv of one point: base overrides first, then the point's own."""
+  return [python, "-m", module, "--config", config_spec, f"--config.workdir={point.workdir}",
+          *override_args(base_overrides or {}), *override_args(point.overrides), *extra_args]
+
+
+def finished(point: Point) -> str | None:
+  """Why `point` counts as finished (its marker's path), or None."""
+  for marker in (FINAL_REPORT, DONE_MARKER):
+    path = os.path.join(point.workdir, marker)
+    if os.path.exists(path):
+      return path
+  return None
+
+
+# ---- running ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Outcome:
+  point: Point
+  status: str          # "done" (ran now), "skipped" (finished before), "failed"
+  returncode: int | None = None
+  seconds: float = 0.0
+  detail: str = ""
+
+
+def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,
+             cwd: str | None) -> Outcome:
+  os.makedirs(point.workdir, exist_ok=True)
+  t0 = time.time()
+  with open(point.log, "a") as log:
+    log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
+    log.flush()
+    try:
+      rc = subprocess.call(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                           env=None if env is None else dict(env))
+    except OSError as e:
+      log.write(f"# could not start: {e}\n")
+      return Outcome(point, "failed", None, time.time() - t0, f"could not start: {e}")
+  seconds = time.time() - t0
+  if rc != 0:
+    return Outcome(point, "failed", rc, seconds, f"exit status {rc}")
+  with open(os.path.join(point.workdir, DONE_MARKER), "w") as f:
+    json.dump({"command": list(argv), "overrides": point.overrides, "returncode": rc,
+               "seconds": round(seconds, 1)}, f, indent=2, default=str)
+  return Outcome(point, "done", rc, seconds)
+
+
+def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]], *,
+               workers: int = 1, env: Mapping[str, str] | None = None, cwd: str | None = None,
+               log: Callable[[str], None] = print) -> list[Outcome]:
+  """Runs the unfinished points, up to `workers` at once; a failed point is reported
+  with its log and the others go on. Outcomes are in the order of `points`."""
+  if workers < 1:
+    raise ConfigError(f"--workers must be >= 1, got {workers}")
+  outcomes: dict[str, Outcome] = {}
+  todo = []
+  for p in points:
+    marker = finished(p)
+    if marker:
+      outcomes[p.name] = Outcome(p, "skipped", detail=marker)
+      log(f"[sweep] {p.name}: finished before ({marker}), skipped")
+    else:
+      todo.append(p)
+  lock = threading.Lock()
+  count = [0]
+
+  stop = threading.Event()
+
+  def one(p: Point) -> Outcome:
+    with lock:
+      if stop.is_set():
+        return Outcome(p, "failed", None, 0.0, "not started (sweep interrupted)")
+      log(f"[sweep] start {p.name} (log: {p.log})")
+    out = _run_one(p, argv_of(p), env, cwd)
+    with lock:
+      count[0] += 1
+      head = f"[sweep] {count[0]}/{len(todo)}"
+      if out.status == "failed":
+        log(f"{head} FAILED {p.name}: {out.detail} after {out.seconds:.0f} s; log: {p.log}")
+      else:
+        log(f"{head} done {p.name} in {out.seconds:.0f} s")
+    return out
+
+  if todo:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+    try:
+      for out in pool.map(one, todo):
+        outcomes[out.point.name] = out
+    except KeyboardInterrupt:
+      # Ctrl-C reached the running children too (same process group): they stop at a
+      # step boundary and save; no queued point starts.
+      stop.set()
+      log("[sweep] interrupted: waiting for the running points to stop; none is started")
+      pool.shutdown(wait=True, cancel_futures=True)
+      raise
+    pool.shutdown(wait=True)
+  return [outcomes[p.name] for p in points]
+
+
+# ---- results ---------------------------------------------------------------------------
+def _read_jsonl_last(path: str) -> dict | None:
+  last = None
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        try:
+          last = json.loads(line)
+        except json.JSONDecodeError:
+          continue   # a half-written last line of a killed run
+  return last
+
+
+def point_metrics(point: Point) -> dict[str, Any]:
+  """The point's final metrics: EVAL_KEYS (+ pass@k) from eval_final.json, and the last
+  row of the last RL stage's metrics_rl.jsonl as `last_rl/<key>`. {} when neither exists."""
+  out: dict[str, Any] = {}
+  path = os.path.join(point.workdir, FINAL_REPORT)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ConfigError(f"{path}: unreadable report ({e})") from None
+    for k in EVAL_KEYS:
+      if k in report:
+        out[k] = report[k]
+    for k, v in sorted((report.get("pass_at_k") or {}).items(), key=lambda kv: int(kv[0])):
+      if str(k) != "1":
+        out[f"pass_at_{k}"] = v
+  for stage in reversed(STAGE_DIRS):
+    path = os.path.join(point.workdir, stage, "metrics_rl.jsonl")
+    if os.path.exists(path):
+      row = _read_jsonl_last(path)
+      if row:
+        out["last_rl/stage"] = stage
+        out["last_rl/step"] = row.get("step")
+        for k in STAGE_KEYS:
+          if k in row:
+            out[f"last_rl/{k.split('/', 1)[-1]}"] = row[k]
+      break
+  return out
+
+
+def result_rows(points: Sequence[Point], outcomes: Sequence[Outcome] | None = None
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+  """One row per point (name, status, swept keys, metrics) and the metric columns."""
+  status = {o.point.name: o.status for o in outcomes or ()}
+  keys = sorted({k for p in points for k in p.overrides})
+  rows, metric_cols = [], []
+  for p in points:
+    m = point_metrics(p)
+    st = status.get(p.name) or ("finished" if finished(p) else "missing")
+    if st in ("skipped", "done"):
+      st = "finished"
+    row = {"point": p.name, "status": st}
+    row.update({k: format_value(p.overrides[k]) if k in p.overrides else "" for k in keys})
+    row.update(m)
+    for k in m:
+      if k not in metric_cols:
+        metric_cols.append(k)
+    rows.append(row)
+  order = [k for k in EVAL_KEYS if k in metric_cols]
+  order += sorted(k for k in metric_cols if k.startswith("pass_at_") and k not in order)
+  order += [k for k in metric_cols if k not in order]
+  return rows, ["point", "status", *keys, *order]
+
+
+def _numeric(v) -> float | None:
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    return None
+  return float(v) if np.isfinite(v) else None
+
+
+def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
+              metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
+  """Points that differ only in `seed`, grouped: n seeds with results, then per metric
+  "mean ± std" (std with ddof=1, as over repeated runs; only the mean for one seed).
+  Raw `<metric>_mean` / `<metric>_std` go in the dict too (for CSV)."""
+  groups: dict[str, list[int]] = {}
+  rest_of: dict[str, dict[str, Any]] = {}
+  for i, p in enumerate(points):
+    rest = {k: v for k, v in p.overrides.items() if k != SEED_KEY}
+    g = point_name(rest)
+    groups.setdefault(g, []).append(i)
+    rest_of[g] = rest
+  keys = sorted({k for r in rest_of.values() for k in r})
+  out = []
+  for g, idx in groups.items():
+    row: dict[str, Any] = {"group": g}
+    row.update({k: format_value(rest_of[g][k]) if k in rest_of[g] else "" for k in keys})
+    seeds = [points[i].overrides.get(SEED_KEY) for i in idx]
+    row["seeds"] = " ".join(str(s) for s in seeds)
+    row["n"] = sum(1 for i in idx if rows[i]["status"] == "finished")
+    for col in metric_cols:
+      vals = [x for x in (_numeric(rows[i].get(col)) for i in idx) if x is not None]
+      if not vals:
+        row[col] = ""
+        continue
+      mean = float(np.mean(vals))
+      std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+      row[f"{col}_mean"], row[f"{col}_std"] = mean, std
+      row[col] = _fmt(mean) + (f" ± {_fmt(std)}" if std is not None else "") + \
+          (f" (n={len(vals)})" if len(vals) != len(idx) else "")
+    out.append(row)
+  return out, ["group", *keys, "seeds", "n", *metric_cols]
+
+
+def _fmt(v: Any) -> str:
+  if v is None:
+    return ""
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  return str(v)
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+  esc = lambda s: _fmt(s).replace("|", "\\|")
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(esc(r.get(c, "")) for c in columns) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def to_csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+  buf = io.StringIO()
+  w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+  w.writeheader()
+  for r in rows:
+    w.writerow({c: "" if r.get(c) is None else r.get(c) for c in columns})
+  return buf.getvalue()
+
+
+def write_tables(sweep_workdir: str, points: Sequence[Point],
+                 outcomes: Sequence[Outcome] | None = None) -> str:
+  """results.csv (one row per point), results_seeds.csv (mean and std over seeds) and
+  results.md (both tables) in the sweep work directory; returns the markdown."""
+  rows, cols = result_rows(points, outcomes)
+  metric_cols = [c for c in cols if c not in ("point", "status") and
+                 not any(c in p.overrides for p in points)]
+  grouped, gcols = seed_rows(points, rows, metric_cols)
+  gcsv_cols = [c for c in gcols if c not in metric_cols]
+  for c in metric_cols:
+    gcsv_cols += [f"{c}_mean", f"{c}_std"]
+  os.makedirs(sweep_workdir, exist_ok=True)
+  with open(os.path.join(sweep_workdir, "results.csv"), "w") as f:
+    f.write(to_csv(rows, cols))
+  with open(os.path.join(sweep_workdir, "results_seeds.csv"), "w") as f:
+    f.write(to_csv(grouped, gcsv_cols))
+  md = ("## Final metrics per point\n\n" + markdown(rows, cols) +
+        "\n\n## Mean ± std over seeds (points that differ only in `seed`; std ddof=1)\n\n" +
+        markdown(grouped, gcols) + "\n")
+  with open(os.path.join(sweep_workdir, "results.md"), "w") as f:
+    f.write(md)
+  return md
+
+
+def write_manifest(sweep_workdir: str, points: Sequence[Point],
+                   argv_of: Callable[[Point], Sequence[str]],
+                   outcomes: Sequence[Outcome] | None = None) -> str:
+  """sweep.json: every point's name, overrides, directory, command and status (what a
+  notebook reads to find the runs)."""
+  by = {o.point.name: o for o in outcomes or ()}
+  data = {"points": [{"name": p.name, "overrides": p.overrides, "workdir": p.workdir,
+                      "command": list(argv_of(p)),
+                      "status": by[p.name].status if p.name in by else None,
+                      "returncode": by[p.name].returncode if p.name in by else None,
+                      "log": p.log} for p in points]}
+  os.makedirs(sweep_workdir, exist_ok=True)
+  path = os.path.join(sweep_workdir, "sweep.json")
+  with open(path, "w") as f:
+    json.dump(data, f, indent=2, default=str)
+  return path
+
+
+def python_executable() -> str:
+  return sys.executable or "python"

@@ -1,0 +1,341 @@
+"""The sweep runner (rstar_jax/sweep.py, experiments/sweep.py).
+
+Child runs are a tiny fake module written into tmp_path (absl + config_flags, like the
+real entry points): it writes eval_final.json and RL metrics from its overrides, or
+fails when `fail=True`. One real two-point sweep of the smoke recipe is marked slow.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from rstar_jax import sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAKE_CONFIG = '''
+import ml_collections
+
+def get_config(variant=""):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.workdir = ""
+  c.lr = 0.1
+  c.method = "a"
+  c.fail = False
+  c.write_report = True
+  c.nested = ml_collections.ConfigDict(dict(x=1, name="n"))
+  if variant == "big":
+    c.lr = 1.0
+  elif variant:
+    raise ValueError(variant)
+  return c
+'''
+
+FAKE_SWEEP = '''
+def get_sweep(variant=""):
+  lr = 1.0 if variant == "big" else 0.1
+  return [{"method": "a"}, {"method": "b", "lr": lr * 2}]
+'''
+
+FAKE_CHILD = '''
+import json, os, sys
+from absl import app
+from ml_collections import config_flags
+
+_C = config_flags.DEFINE_config_file("config")
+
+def main(argv):
+  c = _C.value
+  os.makedirs(c.workdir, exist_ok=True)
+  with open(os.path.join(c.workdir, "runs.txt"), "a") as f:
+    f.write("run\\n")
+  print(f"child: method={c.method} lr={c.lr} seed={c.seed} x={c.nested.x}")
+  if c.fail:
+    print("child: deliberate failure", file=sys.stderr)
+    sys.exit(3)
+  os.makedirs(os.path.join(c.workdir, "stage1"), exist_ok=True)
+  with open(os.path.join(c.workdir, "stage1", "metrics_rl.jsonl"), "w") as f:
+    for step in (1, 2):
+      f.write(json.dumps({"step": step, "rollout/reward_mean": step * c.lr,
+                          "rollout/model_tokens_mean": 50.0 + step}) + "\\n")
+  if c.write_report:
+    report = {"pass_at_1": c.lr + c.seed / 10, "pass_at_k": {"1": c.lr, "4": 0.9},
+              "tool_error_rate_correct": None if c.method == "b" else 0.25 + c.seed / 100,
+              "mean_response_tokens": 100.0 + c.seed + c.nested.x,
+              "share_no_tool_call": 0.5, "per_problem": []}
+    with open(os.path.join(c.workdir, "eval_final.json"), "w") as f:
+      json.dump(report, f)
+
+if __name__ == "__main__":
+  app.run(main)
+'''
+
+
+@pytest.fixture
+def fake(tmp_path):
+  """(config path, config-with-get_sweep path, env with the fake child importable)."""
+  mod = tmp_path / "mods"
+  mod.mkdir()
+  (mod / "fake_child.py").write_text(FAKE_CHILD)
+  cfg = tmp_path / "fake_cfg.py"
+  cfg.write_text(FAKE_CONFIG)
+  cfg_sweep = tmp_path / "fake_cfg_sweep.py"
+  cfg_sweep.write_text(FAKE_CONFIG + FAKE_SWEEP)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(mod), REPO]))
+  return str(cfg), str(cfg_sweep), env
+
+
+def _sweep_cli(env, *args, check=True, timeout=120):
+  out = subprocess.run([sys.executable, "-m", "experiments.sweep", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+  if check:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out
+
+
+# ---- naming, axes, loading, validation --------------------------------------------------
+def test_point_names_sorted_readable_and_safe():
+  assert sweep.point_name({"seed": 1, "rl.downsample.method": "uniform"}) == \
+      "rl.downsample.method=uniform,seed=1"
+  assert sweep.point_name({}) == "base"
+  assert sweep.point_name({"a": 3e-4, "b": True, "c": None}) == "a=0.0003,b=True,c=None"
+  assert sweep.point_name({"t": (1, 2)}) == "t=(1,2)"
+  # Unsafe characters are replaced, and a hash keeps distinct values distinct.
+  n1 = sweep.point_name({"model.hf_dir": "/a/b"})
+  n2 = sweep.point_name({"model.hf_dir": "_a_b"})
+  n3 = sweep.point_name({"model.hf_dir": "/a b"})
+  assert "/" not in n1 and " " not in n3 and n1.startswith("model.hf_dir=_a_b~")
+  assert len({n1, n2, n3}) == 3
+  # Deterministic and bounded.
+  long = {f"k{i}": "v" * 20 for i in range(20)}
+  assert sweep.point_name(long) == sweep.point_name(dict(reversed(list(long.items()))))
+  assert len(sweep.point_name(long)) <= sweep.MAX_NAME
+
+
+def test_axes_parse_and_product():
+  cfg = ml_collections.ConfigDict(dict(a=1, s="x", f=0.5, t=(1, 2)))
+  assert sweep.parse_axis("a=1,2,3", cfg) == ("a", [1, 2, 3])
+  # A str field keeps "1" as text; tuples survive the comma split.
+  assert sweep.parse_axis("s=1,roc", cfg) == ("s", ["1", "roc"])
+  assert sweep.parse_axis("config.t=(1,2),(3,4)", cfg) == ("t", [(1, 2), (3, 4)])
+  assert sweep.parse_axis("f=1e-4,True", cfg) == ("f", [1e-4, True])
+  for bad in ("a", "=1", "a=", "a=1,,2"):
+    with pytest.raises(sweep.SweepError):
+      sweep.parse_axis(bad, cfg)
+  pts = sweep.product([("a", [1, 2]), ("seed", [0, 1, 2])])
+  assert pts == [{"a": 1, "seed": 0}, {"a": 1, "seed": 1}, {"a": 1, "seed": 2},
+                 {"a": 2, "seed": 0}, {"a": 2, "seed": 1}, {"a": 2, "seed": 2}]
+  assert sweep.product([]) == [{}]
+  with pytest.raises(sweep.SweepError, match="twice"):
+    sweep.product([("a", [1]), ("a", [2])])
+  assert sweep.cross([{"m": "a"}, {"m": "b"}], [{"seed": 0}, {"seed": 1}]) == [
+      {"m": "a", "seed": 0}, {"m": "a", "seed": 1}, {"m": "b", "seed": 0},
+      {"m": "b", "seed": 1}]
+  with pytest.raises(sweep.SweepError, match="both"):
+    sweep.cross([{"m": "a"}], [{"m": "b"}])
+
+
+def test_get_sweep_loading(fake, tmp_path):
+  cfg, cfg_sweep, _ = fake
+  assert sweep.load_sweep(cfg) is None
+  assert sweep.load_sweep(cfg_sweep) == [{"method": "a"}, {"method": "b", "lr": 0.2}]
+  assert sweep.load_sweep(cfg_sweep + ":big") == [{"method": "a"}, {"method": "b", "lr": 2.0}]
+  bad = tmp_path / "bad.py"
+  bad.write_text("def get_config():\n  return {}\ndef get_sweep():\n  return [{'a': 1}, 3]\n")
+  with pytest.raises(sweep.SweepError, match=r"get_sweep\(\)\[1\]"):
+    sweep.load_sweep(str(bad))
+  with pytest.raises(sweep.SweepError, match="no such config file"):
+    sweep.load_sweep(str(tmp_path / "missing.py"))
+
+
+def test_validate_names_valid_keys_and_types(fake):
+  config = sweep.load_config(fake[0])
+  sweep.validate([{"lr": 1, "nested.x": 2, "seed": 3}], config)   # int -> float field is fine
+  with pytest.raises(sweep.SweepError, match=r"unknown config key 'y' under nested; known "
+                     r"keys there: \['name', 'x'\]"):
+    sweep.validate([{"nested.y": 1}], config)
+  with pytest.raises(sweep.SweepError, match="known keys there: .*'method'"):
+    sweep.validate([{"methd": "a"}], config)
+  with pytest.raises(sweep.SweepError, match="does not fit"):
+    sweep.validate([{"nested.x": "abc"}], config)
+  with pytest.raises(sweep.SweepError, match="section, not a field"):
+    sweep.validate([{"nested": 1}], config)
+  with pytest.raises(sweep.SweepError, match="set by the sweep itself"):
+    sweep.validate([{"workdir": "/x"}], config)
+  with pytest.raises(sweep.SweepError, match="are the same"):
+    sweep.validate([{"lr": 0.5}, {"lr": 0.5}], config)
+
+
+# ---- running, skipping, failures --------------------------------------------------------
+def test_run_skip_and_failure(fake, tmp_path):
+  cfg, _, env = fake
+  root = tmp_path / "sw"
+  points = sweep.make_points([{"method": "a", "seed": 0}, {"method": "a", "seed": 1},
+                              {"fail": True}], str(root))
+  argv_of = lambda p: sweep.command(p, module="fake_child", config_spec=cfg,
+                                    base_overrides={"nested.x": 5}, python=sys.executable)
+  lines = []
+  out = sweep.run_points(points, argv_of, workers=2, env=env, cwd=REPO, log=lines.append)
+  assert [o.status for o in out] == ["done", "done", "failed"]
+  assert out[2].returncode == 3
+  log = open(points[2].log).read()
+  assert "deliberate failure" in log and "--config.fail=True" in log
+  assert any("FAILED fail=True" in l and points[2].log in l for l in lines)
+  # The base override and the point's overrides reached the child.
+  assert "x=5" in open(points[0].log).read() and "seed=1" in open(points[1].log).read()
+  assert os.path.exists(os.path.join(points[0].workdir, sweep.DONE_MARKER))
+  assert not os.path.exists(os.path.join(points[2].workdir, sweep.DONE_MARKER))
+  # Rerun: finished points are skipped, the failed one runs again.
+  lines = []
+  out = sweep.run_points(points, argv_of, workers=1, env=env, cwd=REPO, log=lines.append)
+  assert [o.status for o in out] == ["skipped", "skipped", "failed"]
+  runs = lambda p: open(os.path.join(p.workdir, "runs.txt")).read().count("run")
+  assert [runs(p) for p in points] == [1, 1, 2]
+  assert any("skipped" in l and points[0].name in l for l in lines)
+
+
+def test_done_marker_or_eval_final_counts_as_finished(tmp_path):
+  p = sweep.make_points([{"a": 1}], str(tmp_path))[0]
+  assert sweep.finished(p) is None
+  os.makedirs(p.workdir)
+  open(os.path.join(p.workdir, sweep.DONE_MARKER), "w").write("{}")
+  assert sweep.finished(p).endswith(sweep.DONE_MARKER)
+  q = sweep.make_points([{"a": 2}], str(tmp_path))[0]
+  os.makedirs(q.workdir)
+  open(os.path.join(q.workdir, "eval_final.json"), "w").write("{}")
+  assert sweep.finished(q).endswith("eval_final.json")
+
+
+# ---- tables ---------------------------------------------------------------------------
+def _write_point(p, report=None, metrics=None):
+  os.makedirs(p.workdir, exist_ok=True)
+  if report is not None:
+    with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
+      json.dump(report, f)
+  if metrics is not None:
+    os.makedirs(os.path.join(p.workdir, "stage2"))
+    with open(os.path.join(p.workdir, "stage2", "metrics_rl.jsonl"), "w") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in metrics) + '{"step": 9, "trunc')
+
+
+def test_tables_mean_std_over_seeds(tmp_path):
+  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
+                          [{"m": "uniform", "seed": s} for s in (0, 1, 2)], str(tmp_path))
+  acc = {("roc", 0): 0.5, ("roc", 1): 0.6, ("roc", 2): 0.7, ("uniform", 0): 0.2,
+         ("uniform", 1): 0.4}
+  for p in pts:
+    key = (p.overrides["m"], p.overrides["seed"])
+    if key in acc:
+      _write_point(p, {"pass_at_1": acc[key], "tool_error_rate_correct": None,
+                       "mean_response_tokens": 10.0 * p.overrides["seed"],
+                       "pass_at_k": {"1": acc[key], "4": 1.0}},
+                   metrics=[{"step": 1, "rollout/reward_mean": 0.1},
+                            {"step": 2, "rollout/reward_mean": 0.3}])
+  rows, cols = sweep.result_rows(pts)
+  assert cols[:4] == ["point", "status", "m", "seed"]
+  assert rows[0]["pass_at_1"] == 0.5 and rows[0]["pass_at_4"] == 1.0
+  assert rows[0]["last_rl/reward_mean"] == 0.3 and rows[0]["last_rl/stage"] == "stage2"
+  assert rows[5]["status"] == "missing" and "pass_at_1" not in rows[5]
+  md = sweep.write_tables(str(tmp_path), pts)
+  grouped = list(csv.DictReader(open(tmp_path / "results_seeds.csv")))
+  assert [g["group"] for g in grouped] == ["m=roc", "m=uniform"]
+  assert [g["n"] for g in grouped] == ["3", "2"]
+  assert float(grouped[0]["pass_at_1_mean"]) == pytest.approx(0.6)
+  assert float(grouped[0]["pass_at_1_std"]) == pytest.approx(np.std([0.5, 0.6, 0.7], ddof=1))
+  assert float(grouped[1]["pass_at_1_mean"]) == pytest.approx(0.3)
+  assert float(grouped[1]["mean_response_tokens_std"]) == pytest.approx(
+      np.std([0.0, 10.0], ddof=1))
+  assert grouped[0]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
+  per_point = list(csv.DictReader(open(tmp_path / "results.csv")))
+  assert len(per_point) == 6 and per_point[1]["pass_at_1"] == "0.6"
+  assert "| m=roc | roc | 0 1 2 | 3 | 0.6 ± 0.1 |" in md
+  assert "0.3 ± 0.1414 (n=2)" in md
+  assert md == open(tmp_path / "results.md").read()
+
+
+# ---- the command line -------------------------------------------------------------------
+def test_cli_print_only(fake, tmp_path):
+  cfg, cfg_sweep, env = fake
+  root = tmp_path / "sw"
+  out = _sweep_cli(env, "--config", cfg_sweep + ":big", "--workdir", str(root), "--seeds",
+                   "0,1", "--sweep", "nested.x=1,2", "--config.nested.name=zz",
+                   "--module", "fake_child", "--print_only")
+  cmds = out.stdout.strip().splitlines()
+  assert len(cmds) == 2 * 2 * 2
+  assert cmds[0].startswith(f"python -m fake_child --config {cfg_sweep}:big "
+                            f"--config.workdir={root}/method=a,nested.x=1,seed=0 ")
+  assert all("--config.nested.name=zz" in c for c in cmds)
+  assert "--config.lr=2.0 --config.nested.x=2 --config.seed=1" in cmds[-1]
+  assert not root.exists() or not any(root.iterdir())   # nothing ran
+  # A finished point is left out of the commands.
+  done = root / "method=a,nested.x=1,seed=0"
+  done.mkdir(parents=True)
+  (done / "eval_final.json").write_text("{}")
+  out = _sweep_cli(env, "--config", cfg_sweep + ":big", "--workdir", str(root), "--seeds",
+                   "0,1", "--sweep", "nested.x=1,2", "--module", "fake_child", "--print_only")
+  assert len(out.stdout.strip().splitlines()) == 7 and "finished" in out.stderr
+
+
+def test_cli_runs_reports_failure_and_tables(fake, tmp_path):
+  cfg, _, env = fake
+  root = tmp_path / "sw"
+  args = ["--config", cfg, "--workdir", str(root), "--sweep", "method=a,b", "--sweep",
+          "fail=False,True", "--seeds", "0,1", "--module", "fake_child", "--workers", "3"]
+  out = _sweep_cli(env, *args, check=False)
+  assert out.returncode == 1, out.stdout + out.stderr
+  assert "4 point(s) failed" in out.stderr
+  assert f"{root}/fail=True,method=a,seed=0/sweep.log" in out.stderr
+  assert "## Mean ± std over seeds" in out.stdout
+  rows = list(csv.DictReader(open(root / "results.csv")))
+  assert [r["status"] for r in rows].count("failed") == 4
+  grouped = {g["group"]: g for g in csv.DictReader(open(root / "results_seeds.csv"))}
+  assert float(grouped["fail=False,method=a"]["pass_at_1_mean"]) == pytest.approx(0.15)
+  assert grouped["fail=True,method=b"]["n"] == "0"
+  manifest = json.load(open(root / "sweep.json"))
+  assert len(manifest["points"]) == 8 and {p["status"] for p in manifest["points"]} == \
+      {"done", "failed"}
+  # Rerun: the 4 good points are skipped (their runs.txt holds one run).
+  out = _sweep_cli(env, *args, check=False)
+  assert out.stdout.count("finished before") == 5   # plan line + 4 skip lines
+  assert open(root / "fail=False,method=b,seed=1" / "runs.txt").read().count("run") == 1
+  assert open(root / "fail=True,method=b,seed=1" / "runs.txt").read().count("run") == 2
+
+
+def test_cli_bad_key_names_valid_ones(fake, tmp_path):
+  cfg, _, env = fake
+  out = _sweep_cli(env, "--config", cfg, "--workdir", str(tmp_path), "--sweep", "nested.z=1",
+                   "--print_only", check=False)
+  assert out.returncode == 2
+  assert "config error: sweep key 'nested.z': unknown config key 'z' under nested; " \
+         "known keys there: ['name', 'x']" in out.stderr
+  out = _sweep_cli(env, "--config", cfg, "--workdir", str(tmp_path), "--sweep", "lr=1",
+                   "--config.lr=2", "--print_only", check=False)
+  assert out.returncode == 2 and "both swept and set" in out.stderr
+
+
+@pytest.mark.slow
+def test_real_recipe_two_points(tmp_path):
+  """Two points of the smoke recipe (1 RL step) through the real entry point."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  root = tmp_path / "sw"
+  args = ["--config", "experiments/configs/toy.py:smoke", "--workdir", str(root),
+          "--sweep", "rl.downsample.method=roc,uniform", "--config.stage1.num_steps=1",
+          "--workers", "2"]
+  out = _sweep_cli(env, *args, timeout=900)
+  rows = list(csv.DictReader(open(root / "results.csv")))
+  assert [r["point"] for r in rows] == ["rl.downsample.method=roc",
+                                        "rl.downsample.method=uniform"]
+  for r in rows:
+    assert r["status"] == "finished" and 0.0 <= float(r["pass_at_1"]) <= 1.0
+    assert r["last_rl/step"] == "1"
+  cfg = json.load(open(root / "rl.downsample.method=uniform" / "config.json"))
+  assert cfg["rl"]["downsample"]["method"] == "uniform" and cfg["stage1"]["num_steps"] == 1
+  out = _sweep_cli(env, *args)
+  assert out.stdout.count("finished before") == 3
