@@ -3,7 +3,11 @@ r"""python -m experiments.evaluate --config experiments/configs/toy.py --config.
 Evaluates the latest finished stage (or --hf_dir): pass@1 over k samples, tool stats.
 
 Sampling temperature and k come from config.eval and are printed with the results.
+With --hf_dir, the tokenizer saved in that export is used (the one it was trained
+with), and the result file (<workdir>/eval_hf_dir.json) records the directory and seed.
 """
+import os
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -17,15 +21,10 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "evaluate this HF Qwen3 directory 
 def main(argv):
   del argv
   from rstar_jax import recipe
-  config = _CONFIG.value
   if _HF_DIR.value is None:
-    recipe.run(config, stages=["eval"])
+    recipe.run(_CONFIG.value, stages=["eval"])
     return
-  from rstar_jax.model import hf_io
-  with recipe.sandbox_tools(config) as tools:
-    ctx = recipe.build_context(config, tools)
-    model = hf_io.load_hf(_HF_DIR.value, mesh=ctx.mesh, **recipe.model_overrides(config))
-    print(recipe.run_eval(ctx, model, "hf_dir").to_table())
+  print(recipe.evaluate_hf_dir(_CONFIG.value, os.path.abspath(_HF_DIR.value)).to_table())
 
 
 if __name__ == "__main__":

@@ -62,9 +62,10 @@ from rstar_jax import config_utils
 from rstar_jax import optim
 from rstar_jax.model import config as model_config
 from rstar_jax.model import qwen3
-from rstar_jax.model import sharding
+from rstar_jax import sharding
 from rstar_jax.rl import losses
 from rstar_jax.rl import train_step as ts
+from rstar_jax.train import step as core
 
 GB = 1e9
 # HBM per device as vendors quote it (MI300X 192 GB, H100 SXM 80 GB, H200 141 GB), compared
@@ -225,7 +226,7 @@ def abstract_inputs(case: PlanCase, mesh: jax.sharding.Mesh, tx, rules=sharding.
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if jax.tree.leaves(rest):
     raise ValueError("model has non-Param state; the train step expects Params only")
-  shard = ts.state_shardings_for(params, tx, mesh, rules)
+  shard = core.state_shardings_for(params, tx, mesh, rules)
   opt_state = jax.eval_shape(tx.init, params)
 
   def with_sharding(x, s):
@@ -275,7 +276,7 @@ def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
   step_cfg = ts.StepConfig(micro_batches=case.micro_batches, logprob_chunk=case.logprob_chunk,
                            compute_entropy=case.compute_entropy)
   graphdef, state, batch, shard, batch_shard = abstract_inputs(case, mesh, tx, rules)
-  fn = functools.partial(ts.train_step, graphdef, tx, loss_cfg, step_cfg)
+  fn = functools.partial(ts.train_step, graphdef, tx, loss_cfg, step_cfg, 1.0)
   # The state is donated, as make_train_step does: new params/moments reuse its buffers.
   jitted = jax.jit(fn, in_shardings=(shard, batch_shard), out_shardings=(shard, None),
                    donate_argnums=(0,))

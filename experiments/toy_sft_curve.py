@@ -16,7 +16,7 @@ numbers the assistant writes, all of them copies):
               overall, in the code (before the tool response), in the answer, per kind
 
 p_copy predicts the sampled pass@1 of tool-using rollouts; the no-tool share after
-SFT (config.sft.no_tool_share) is the room RL has on top. No timing is asserted;
+SFT (config.sft.data.traces.no_tool_share) is the room RL has on top. No timing is asserted;
 the wall column is for comparing settings run one after the other on one machine.
 """
 import os
@@ -44,18 +44,17 @@ def main(argv):
   from rstar_jax import recipe
   from rstar_jax.data import toy_task
 
-  config = _CONFIG.value
+  import dataclasses
+  config = recipe.build_config(_CONFIG.value)
   if config.data.kind != "toy":
     raise config_utils.ConfigError("toy_sft_curve needs config.data.kind='toy'")
   with tempfile.TemporaryDirectory() as tmp:
-    with config.unlocked():
-      config.workdir = tmp
+    config = dataclasses.replace(config, workdir=tmp)
     ctx = recipe.build_context(config, tools=None)
-    model = recipe.initial_model(config, ctx.tokenizer, ctx.mesh)
+    model = recipe.initial_model(config, ctx.tokenizer, ctx.mesh, ctx.rules)
     trainer = recipe.sft_trainer_for(ctx, model, os.path.join(tmp, "sft"))
-    levels, kinds = recipe.toy_levels_kinds(config)
-    problems = toy_task.generate_problems(_PROBE.value, seed=config.seed + 30_000,
-                                          levels=levels, kinds=kinds)
+    problems = recipe.sources.toy_problems_for(config.data, _PROBE.value,
+                                               seed=config.seed + 30_000)
     arr, mask, in_code = toy_task.copy_probe(ctx.proto, problems, seed=config.seed + 30_001)
     kinds = [p.kind for p in problems]
 

@@ -1,6 +1,8 @@
 r"""python -m experiments.train_rl --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy --stage=stage1
 
-GRPO-RoC RL stages only, starting from the last finished stage (SFT export or earlier RL).
+GRPO-RoC RL stages only, starting from the last finished stage (SFT export or earlier
+RL). Without one it refuses to start from a random model unless
+--config.allow_random_init=True (or --config.model.hf_dir names a checkpoint).
 """
 from absl import flags
 from ml_collections import config_flags

@@ -1,46 +1,144 @@
 """The rStar2-Agent recipe: SFT -> RL stage 1 -> stage 2 -> stage 3 (hard subset) -> eval.
 
+The whole config is one `RecipeConfig`: each section is the keyword arguments of the
+dataclass it builds (model, tokenizer, chat, data, tools, rollout, mesh, sft, rl,
+stage1..3, eval). `build_config` checks all of it before anything runs.
+
 Each stage lives in `<workdir>/<stage>/`: its orbax checkpoints (resume inside the
 stage), a Hugging Face export of the final weights (`export/`, what the next stage
 and SGLang load) and `DONE.json`. A rerun skips finished stages, so the recipe is
-resumable stage by stage and, inside a stage, step by step.
-
-The config (see experiments/configs/toy.py) has sections: model, tokenizer, data,
-sandbox, mesh, sft, engine, rl (shared by RL stages), stage1..stage3, eval.
+resumable stage by stage and, inside a stage, step by step. The resolved config is
+`<workdir>/config.json`; a rerun with a different config is refused while stages it
+produced are finished (see `check_workdir`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
-import numpy as np
+from flax import nnx
 
-from rstar_jax import config_utils, optim
-from rstar_jax.data import math_data, toy_task
+from rstar_jax import config_utils, sharding
+from rstar_jax.analysis import progress as progress_plot
+from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
 from rstar_jax.eval import metrics as eval_metrics
+from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.model import tokenizer as tokenizer_lib
-from rstar_jax.rl import advantages as adv_lib
-from rstar_jax.rl import losses, roc
-from rstar_jax.rl import train_step as ts
+from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
-from rstar_jax.rollout import agent_loop, chat, tools as tools_lib
-from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
-from rstar_jax.rollout.scheduler import EnginePool
+from rstar_jax.rollout import agent_loop, backends, chat
+from rstar_jax.rollout import tools as tools_lib
 from rstar_jax.sft import trainer as sft_trainer
+from rstar_jax.train import interrupt
 
 RL_STAGES = ("stage1", "stage2", "stage3")
+ALL_STAGES = ("sft", *RL_STAGES, "eval")
+# Seed-stream salts of the evaluation-style runs (see rl.rollouts).
+EVAL_SALT, FILTER_SALT = 99, 77
 
 
-def _csv(s: str) -> list[str]:
-  return [x.strip() for x in (s or "").split(",") if x.strip()]
+# ---- the config ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTStage(sft_trainer.SFTConfig):
+  """`config.sft`: the SFT trainer's config plus whether to run it and on what data."""
+  enabled: bool = True
+  data: sources.SFTDataConfig = dataclasses.field(default_factory=sources.SFTDataConfig)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLStage:
+  """`config.stage1..3`: what differs between RL stages (the rest is `config.rl`).
+
+  Attributes:
+    num_steps: RL steps of the stage (0 skips it).
+    agent: turn and token budget and sampling of the stage's rollouts.
+    hard_only: train only on problems the policy does not solve hard_k out of hard_k.
+    hard_k: samples per problem for that filter.
+    hard_pool: filter the first hard_pool training problems (0: all).
+    reset_optimizer: start with fresh Adam moments instead of the previous stage's.
+  """
+  num_steps: int = 10
+  agent: agent_loop.AgentConfig = dataclasses.field(default_factory=agent_loop.AgentConfig)
+  hard_only: bool = False
+  hard_k: int = 8
+  hard_pool: int = 0
+  reset_optimizer: bool = False
+
+  def __post_init__(self):
+    if self.num_steps < 0 or self.hard_k < 1 or self.hard_pool < 0:
+      raise ValueError(f"RLStage: num_steps >= 0, hard_k >= 1, hard_pool >= 0 required (got "
+                       f"{self.num_steps}, {self.hard_k}, {self.hard_pool})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalStage(eval_lib.EvalConfig):
+  """`config.eval`: the evaluation, and whether to run it after SFT too."""
+  after_sft: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeConfig:
+  """The whole run. `seed` seeds everything (tokenizer, data, init, rollouts).
+
+  Attributes:
+    allow_random_init: let an RL stage or evaluation start from a randomly initialised
+      model (no finished earlier stage, no model.hf_dir). Off: refused, since it is
+      almost always a mistake (SFT not run, wrong work directory).
+    allow_config_change: run with a config that differs from the work directory's
+      config.json although stages are finished; the new config is written beside the
+      old one (config_<n>.json) with the difference logged.
+  """
+  seed: int = 0
+  workdir: str = "/tmp/rstar_run"
+  compile_cache: bool = True
+  allow_random_init: bool = False
+  allow_config_change: bool = False
+  mesh: sharding.MeshConfig = dataclasses.field(default_factory=sharding.MeshConfig)
+  model: model_config.ModelConfig = dataclasses.field(
+      default_factory=lambda: model_config.ModelConfig(preset="tiny"))
+  tokenizer: sources.TokenizerConfig = dataclasses.field(
+      default_factory=sources.TokenizerConfig)
+  chat: chat.ChatConfig = dataclasses.field(default_factory=chat.ChatConfig)
+  data: sources.DataConfig = dataclasses.field(default_factory=sources.DataConfig)
+  tools: tools_lib.ToolsConfig = dataclasses.field(default_factory=tools_lib.ToolsConfig)
+  rollout: backends.RolloutConfig = dataclasses.field(default_factory=backends.RolloutConfig)
+  sft: SFTStage = dataclasses.field(default_factory=SFTStage)
+  rl: rl_trainer.RLConfig = dataclasses.field(default_factory=rl_trainer.RLConfig)
+  stage1: RLStage = dataclasses.field(default_factory=RLStage)
+  stage2: RLStage = dataclasses.field(default_factory=lambda: RLStage(num_steps=0))
+  stage3: RLStage = dataclasses.field(default_factory=lambda: RLStage(num_steps=0))
+  eval: EvalStage = dataclasses.field(default_factory=EvalStage)
+
+  def __post_init__(self):
+    if not self.workdir:
+      raise ValueError("RecipeConfig.workdir must be set")
+    max_len = self.rollout.engine.max_len
+    for name in RL_STAGES:
+      budget = getattr(self, name).agent.max_response_tokens
+      if getattr(self, name).num_steps and budget >= max_len:
+        raise ValueError(f"{name}.agent.max_response_tokens={budget} does not fit "
+                         f"rollout.engine.max_len={max_len} (prompt + response)")
+    if self.eval.agent.max_response_tokens >= max_len:
+      raise ValueError(f"eval.agent.max_response_tokens={self.eval.agent.max_response_tokens}"
+                       f" does not fit rollout.engine.max_len={max_len}")
+
+
+def build_config(config) -> RecipeConfig:
+  """The checked RecipeConfig of a config section (ConfigDict or dict)."""
+  if isinstance(config, RecipeConfig):
+    return config
+  return config_utils.build(RecipeConfig, config, "config")
+
+
+def resolved_json(cfg: RecipeConfig) -> str:
+  return json.dumps(config_utils.as_plain(cfg), indent=2)   # field order; schema order kept
+
+
+# ---- work directory --------------------------------------------------------------------
 def _done(workdir: str, stage: str) -> dict | None:
   path = os.path.join(workdir, stage, "DONE.json")
   if os.path.exists(path):
@@ -56,10 +154,64 @@ def _mark_done(workdir: str, stage: str, summary: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
+def _diff(old: Any, new: Any, path: str = "") -> list[str]:
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for k in sorted(set(old) | set(new)):
+      p = f"{path}.{k}" if path else k
+      if k not in old:
+        out.append(f"{p}: (absent) -> {new[k]!r}")
+      elif k not in new:
+        out.append(f"{p}: {old[k]!r} -> (absent)")
+      else:
+        out += _diff(old[k], new[k], p)
+    return out
+  return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def check_workdir(cfg: RecipeConfig) -> str:
+  """Writes the resolved config to <workdir>/config.json and returns the workdir.
+
+  A different config.json already there while stages are finished: refused (the
+  finished stages were made with the old one), naming every changed key; with
+  allow_config_change the new one goes beside it (config_<n>.json), never over it."""
+  workdir = os.path.abspath(cfg.workdir)
+  os.makedirs(workdir, exist_ok=True)
+  text = resolved_json(cfg)
+  path = os.path.join(workdir, "config.json")
+  done = [s for s in ALL_STAGES[:-1] if _done(workdir, s)]
+  if os.path.exists(path) and done:
+    with open(path) as f:
+      old = json.load(f)
+    ignore = ("workdir", "allow_config_change", "allow_random_init")
+    changes = [d for d in _diff({k: v for k, v in old.items() if k not in ignore},
+                                {k: v for k, v in json.loads(text).items() if k not in ignore})]
+    if changes and not cfg.allow_config_change:
+      raise config_utils.ConfigError(
+          f"{workdir} holds finished stages {done} made with another config; changed: "
+          + "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else "")
+          + ". Use a new --config.workdir, or --config.allow_config_change=True to go on "
+          "with the new config (written beside the old one)")
+    if changes:
+      n = 1
+      while os.path.exists(os.path.join(workdir, f"config_{n}.json")):
+        n += 1
+      path = os.path.join(workdir, f"config_{n}.json")
+      logging.warning("config differs from the finished stages' (%s); writing %s",
+                      "; ".join(changes), path)
+    else:
+      return workdir
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+  return workdir
+
+
+# ---- set-up -------------------------------------------------------------------------
 @dataclasses.dataclass
 class Context:
-  """What the stages share: config, tokenizer, protocol, data, sandbox, mesh."""
-  config: Any
+  """What the stages share: config, tokenizer, protocol, data, tools, engines, mesh."""
+  config: RecipeConfig
   workdir: str
   tokenizer: Any
   proto: chat.ChatProtocol
@@ -67,156 +219,97 @@ class Context:
   eval_problems: list
   tools: Any
   mesh: Any
+  rules: Any
+  engines: Any = None      # built from the first model that needs rollouts
+
+  def engines_for(self, model):
+    """The engine pool, generating with `model`'s parameters."""
+    if self.engines is None:
+      self.engines = backends.build_engine_pool(self.config.rollout, model)
+    self.engines.update_weights(nnx.state(model))
+    return self.engines
 
 
-# ---- set-up -------------------------------------------------------------------------
-def build_tokenizer(config, workdir: str):
-  tc = config.tokenizer
-  if tc.kind == "toy":
-    path = os.path.join(workdir, "tokenizer")
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
-      return tokenizer_lib.Tokenizer.from_dir(path)
-    tok = toy_task.train_toy_tokenizer(tc.vocab_size, seed=config.seed,
-                                       number_chunk=tc.get("number_chunk", 3))
-    tok.save(path)
-    return tok
-  if tc.kind == "hf":
-    if not tc.path:
-      raise config_utils.ConfigError("config.tokenizer.path must name a HF model directory")
-    return tokenizer_lib.Tokenizer.from_dir(tc.path)
-  raise config_utils.ConfigError(f"config.tokenizer.kind={tc.kind!r}; choose 'toy' or 'hf'")
-
-
-def chat_config(config) -> chat.ChatConfig:
-  if config.data.kind == "toy":
-    return toy_task.toy_chat_config()
-  return chat.ChatConfig()
-
-
-def toy_levels_kinds(config) -> tuple[list[int], list[str] | None]:
-  """config.data.toy_levels / toy_kinds (comma lists; no kinds: all of them)."""
-  dc = config.data
+def initial_model(cfg: RecipeConfig, tokenizer, mesh, rules=sharding.DEFAULT_RULES):
+  """config.model: a HF checkpoint, or a preset (random init) sized to the tokenizer."""
+  mc = cfg.model
+  overrides = model_config.overrides_of(mc)
+  if mc.hf_dir:
+    fixed = {k: v for k, v in overrides.items() if k not in model_config.RUNTIME_FIELDS}
+    ckpt = hf_io.load_config(mc.hf_dir)
+    changed = {k: (getattr(ckpt, k), v) for k, v in fixed.items() if getattr(ckpt, k) != v}
+    if changed:
+      raise config_utils.ConfigError(
+          f"config.model: {mc.hf_dir} is a checkpoint; its architecture cannot be changed "
+          f"({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())})")
+    runtime = {k: v for k, v in overrides.items() if k in model_config.RUNTIME_FIELDS}
+    return hf_io.load_hf(mc.hf_dir, mesh=mesh, rules=rules, **runtime)
+  overrides.setdefault("vocab_size", tokenizer.vocab_size)
+  if overrides["vocab_size"] < tokenizer.vocab_size:
+    raise config_utils.ConfigError(f"config.model.vocab_size={overrides['vocab_size']} is "
+                                   f"smaller than the tokenizer's {tokenizer.vocab_size}")
   try:
-    levels = [int(x) for x in _csv(dc.toy_levels)]
+    qcfg = model_config.get_preset(mc.preset, **overrides)
   except ValueError as e:
-    raise config_utils.ConfigError(f"config.data.toy_levels={dc.toy_levels!r}: {e}") from e
-  kinds = _csv(dc.get("toy_kinds", "")) or None
-  unknown = sorted(set(kinds or ()) - set(toy_task.kinds()))
-  if unknown:
-    raise config_utils.ConfigError(f"config.data.toy_kinds: unknown {unknown}; known "
-                                   f"{list(toy_task.kinds())}")
-  return levels, kinds
+    raise config_utils.ConfigError(f"config.model: {e}") from e
+  return sharding.shard_model(qwen3.create_model(qcfg, seed=cfg.seed), mesh, rules)
 
 
-def load_problems(config) -> tuple[list, list]:
-  dc = config.data
-  if dc.kind == "toy":
-    levels, kinds = toy_levels_kinds(config)
-    train = toy_task.generate_problems(dc.toy_train_problems, seed=config.seed, levels=levels,
-                                       kinds=kinds)
-    evals = toy_task.generate_problems(dc.toy_eval_problems, seed=config.seed + 10_000,
-                                       levels=levels, kinds=kinds)
-    as_math = lambda ps, tag: [math_data.MathProblem(uid=f"{tag}{i}", problem=p.problem,
-                                                     answer=str(p.answer), source="toy",
-                                                     meta={"level": p.level, "kind": p.kind})
-                               for i, p in enumerate(ps)]
-    return as_math(train, "toy-train-"), as_math(evals, "toy-eval-")
-  if dc.kind == "files":
-    train = math_data.load_math_problems(_csv(dc.train_files), on_error=dc.on_error).items
-    evals = math_data.load_math_problems(_csv(dc.eval_files), on_error=dc.on_error).items
-    if dc.integer_only:
-      train, dropped = math_data.filter_integer_answers(train)
-      logging.info("integer filter dropped %d training problems", len(dropped))
-    train, dups = math_data.deduplicate(train)
-    logging.info("de-duplication dropped %d training problems", len(dups))
-    return list(train), list(evals)
-  raise config_utils.ConfigError(f"config.data.kind={dc.kind!r}; choose 'toy' or 'files'")
-
-
-def model_overrides(config) -> dict[str, Any]:
-  keys = ("param_dtype", "dtype", "remat_policy", "attention_impl")
-  return {k: config.model[k] for k in keys if config.model.get(k)}
-
-
-def initial_model(config, tokenizer, mesh):
-  mc = config.model
-  if mc.get("hf_dir"):
-    return hf_io.load_hf(mc.hf_dir, mesh=mesh, **model_overrides(config))
-  # Every other key of config.model (hidden_size, num_hidden_layers, ...) overrides the
-  # preset; unset placeholders are None and keep the preset's value.
-  arch = {k: v for k, v in config_utils.to_dict(mc).items()
-          if k not in ("hf_dir", "vocab_size", "preset") and v is not None and v != ""}
-  cfg = config_utils.model_config(dict(preset=mc.preset, **arch))
-  vocab = mc.vocab_size or tokenizer.vocab_size
-  if vocab < tokenizer.vocab_size:
-    raise config_utils.ConfigError(f"config.model.vocab_size={vocab} is smaller than the "
-                                   f"tokenizer's {tokenizer.vocab_size}")
-  cfg = cfg.replace(vocab_size=vocab)
-  model = qwen3.create_model(cfg, seed=config.seed)
-  if mesh is not None:
-    import jax
-    from flax import nnx
-    from rstar_jax.model import sharding
-    g, st = nnx.split(model)
-    model = nnx.merge(g, jax.device_put(st, sharding.state_shardings(st, mesh)))
-  return model
+def runtime_overrides(cfg: RecipeConfig) -> dict[str, Any]:
+  overrides = model_config.overrides_of(cfg.model)
+  return {k: v for k, v in overrides.items() if k in model_config.RUNTIME_FIELDS}
 
 
 def load_stage_model(ctx: Context, stage: str):
   return hf_io.load_hf(os.path.join(ctx.workdir, stage, "export"), mesh=ctx.mesh,
-                       **model_overrides(ctx.config))
+                       rules=ctx.rules, **runtime_overrides(ctx.config))
+
+
+def tokenizer_dir(ctx: Context) -> str:
+  cfg = ctx.config.tokenizer
+  return os.path.join(ctx.workdir, "tokenizer") if cfg.kind == "toy" else cfg.path
 
 
 def export(ctx: Context, model, stage: str) -> str:
   path = os.path.join(ctx.workdir, stage, "export")
-  hf_io.save_hf(model, path, dtype=model.cfg.param_dtype,
-                tokenizer_dir=os.path.join(ctx.workdir, "tokenizer")
-                if ctx.config.tokenizer.kind == "toy" else ctx.config.tokenizer.path)
+  # The chat template makes `AutoTokenizer(...).apply_chat_template` render our protocol.
+  hf_io.save_hf(model, path, dtype=model.cfg.param_dtype, tokenizer_dir=tokenizer_dir(ctx),
+                chat_template=chat.hf_chat_template(ctx.config.chat))
   return path
+
+
+def build_context(cfg: RecipeConfig, tools, workdir: str | None = None, tokenizer=None
+                  ) -> Context:
+  workdir = workdir or os.path.abspath(cfg.workdir)
+  mesh, rules = cfg.mesh.make(), cfg.mesh.logical_rules()
+  tok = tokenizer or sources.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
+  proto = chat.ChatProtocol(tok, cfg.chat)
+  train, evals = sources.load_problems(cfg.data, seed=cfg.seed)
+  return Context(cfg, workdir, tok, proto, train, evals, tools, mesh, rules)
 
 
 # ---- stages -------------------------------------------------------------------------
 def sft_pairs(ctx: Context) -> list[tuple[list[int], list[int]]]:
-  """(ids, loss_mask) of every SFT conversation: toy traces, or config.sft.files."""
   c = ctx.config
-  sc = c.sft
-  if c.data.kind == "toy" and not _csv(sc.files):
-    levels, kinds = toy_levels_kinds(c)
-    problems = toy_task.generate_problems(sc.num_traces, seed=c.seed + 20_000,
-                                          levels=levels, kinds=kinds)
-    traces = toy_task.make_traces(problems, seed=c.seed + 1, config=toy_task.TraceConfig(
-        bug_share=sc.bug_share, no_tool_share=sc.no_tool_share), chat_config=ctx.proto.config)
-    rendered = [toy_task.render_trace(ctx.proto, t) for t in traces]
-  else:
-    examples = math_data.load_sft_examples(_csv(sc.files), on_error=c.data.on_error).items
-    rendered = [ctx.proto.render_conversation(e.messages) for e in examples]
-  return [(r.ids, r.loss_mask) for r in rendered]
+  return sources.sft_conversations(c.sft.data, c.data, ctx.proto, seed=c.seed,
+                                   on_error=c.data.on_error)
 
 
 def sft_trainer_for(ctx: Context, model, workdir: str) -> sft_trainer.SFTTrainer:
   """The SFT trainer of config.sft (the first heldout_share of the data is held out)."""
-  c = ctx.config
-  sc = c.sft
-  pairs = sft_pairs(ctx)
-  n_held = max(1, int(len(pairs) * sc.heldout_share))
-  return sft_trainer.SFTTrainer(
-      sft_trainer.SFTConfig(seed=c.seed, epochs=sc.epochs, seq_len=sc.seq_len,
-                            rows_per_step=sc.rows_per_step, eval_every=sc.eval_every,
-                            checkpoint_every=sc.checkpoint_every),
-      optim.OptimizerConfig(learning_rate=sc.learning_rate, warmup_steps=sc.warmup_steps,
-                            schedule="warmup_cosine", min_lr_ratio=sc.min_lr_ratio,
-                            weight_decay=sc.weight_decay, grad_clip_norm=1.0),
-      ts.StepConfig(micro_batches=sc.micro_batches, logprob_chunk=sc.logprob_chunk),
-      model, pairs[n_held:], pairs[:n_held], workdir, pad_id=ctx.tokenizer.pad_id,
-      mesh=ctx.mesh)
+  return sft_trainer.SFTTrainer(ctx.config.sft, model, sft_pairs(ctx), workdir,
+                                seed=ctx.config.seed, pad_id=ctx.tokenizer.pad_id,
+                                mesh=ctx.mesh, rules=ctx.rules)
 
 
 def run_sft(ctx: Context, model):
   trainer = sft_trainer_for(ctx, model, os.path.join(ctx.workdir, "sft"))
-  trainer.maybe_restore()
-  history = trainer.run()
-  model = trainer.model()
-  trainer.close()
+  try:
+    trainer.maybe_restore()
+    history = trainer.run()
+    model = trainer.model()
+  finally:
+    trainer.close()
   export(ctx, model, "sft")
   summary = {"steps": trainer.step, "packing": trainer.pack_stats,
              "final_loss": history[-1]["sft/loss"] if history else None,
@@ -225,69 +318,20 @@ def run_sft(ctx: Context, model):
   return model
 
 
-def rl_setup(config, stage_cfg) -> rl_trainer.RLSetup:
-  r = config.rl
-  agent = agent_loop.AgentConfig(max_turns=stage_cfg.max_turns,
-                                 max_response_tokens=stage_cfg.max_response_tokens,
-                                 temperature=r.temperature, top_p=r.top_p)
-  return rl_trainer.RLSetup(
-      rl=rl_trainer.RLConfig(seed=config.seed, num_steps=stage_cfg.num_steps,
-                             prompts_per_step=r.prompts_per_step,
-                             samples_per_prompt=r.samples_per_prompt,
-                             old_logprobs=r.old_logprobs, checkpoint_every=r.checkpoint_every,
-                             length_multiple=r.length_multiple,
-                             fixed_rows=r.fixed_rows,
-                             scheduler_policy=r.scheduler_policy),
-      agent=agent,
-      engine=EngineConfig(num_slots=config.engine.num_slots, max_len=config.engine.max_len),
-      downsample=roc.DownsampleConfig(method=r.downsample, group_size=r.group_size,
-                                      positive_selection=r.positive_selection,
-                                      drop_equal_reward_groups=r.drop_equal_reward_groups),
-      advantage=adv_lib.AdvantageConfig(estimator=r.advantage, eps=r.advantage_eps),
-      loss=losses.LossConfig(eps_low=r.eps_low, eps_high=r.eps_high,
-                             dual_clip_c=r.dual_clip_c or None, aggregation=r.aggregation,
-                             max_response_len=stage_cfg.max_response_tokens,
-                             kl_coef=r.kl_coef),
-      optimizer=optim.OptimizerConfig(learning_rate=r.learning_rate,
-                                      warmup_steps=r.warmup_steps,
-                                      weight_decay=r.weight_decay,
-                                      grad_clip_norm=r.grad_clip_norm),
-      step=ts.StepConfig(micro_batches=r.micro_batches, logprob_chunk=r.logprob_chunk,
-                         temperature=r.temperature))
-
-
-def eval_agent_config(config, stage_cfg=None) -> agent_loop.AgentConfig:
-  e = config.eval
-  budget = stage_cfg.max_response_tokens if stage_cfg is not None else e.max_response_tokens
-  turns = stage_cfg.max_turns if stage_cfg is not None else e.max_turns
-  return agent_loop.AgentConfig(max_turns=turns, max_response_tokens=budget,
-                                temperature=e.temperature, top_p=e.top_p)
-
-
-def _engine(ctx: Context, model):
-  engine = JaxEngine(model, EngineConfig(num_slots=ctx.config.engine.num_slots,
-                                         max_len=ctx.config.engine.max_len))
-  return engine, EnginePool([engine])
-
-
-def hard_subset(ctx: Context, model, stage_cfg) -> list:
+def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
   """Training problems the current policy does not solve k out of k (SPEC.md sec. 5)."""
   cache = os.path.join(ctx.workdir, "stage3", "hard_subset.json")
   by_uid = {p.uid: p for p in ctx.train_problems}
   if os.path.exists(cache):
     with open(cache) as f:
       return [by_uid[u] for u in json.load(f)["uids"]]
-  pool_size = stage_cfg.hard_pool or len(ctx.train_problems)
-  pool = ctx.train_problems[:pool_size]
-  engine, pool_engine = _engine(ctx, model)
-  try:
-    trajs = eval_lib.sample_trajectories(
-        pool_engine, ctx.tools, ctx.proto, ctx.tokenizer, pool, k=stage_cfg.hard_k,
-        agent_cfg=eval_agent_config(ctx.config, stage_cfg), seed=ctx.config.seed + 77,
-        desc="stage3 filter")
-  finally:
-    engine.stop()
-  uids = eval_metrics.unsolved_problems(eval_lib.records_from(trajs), k=stage_cfg.hard_k)
+  pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
+  groups = rollouts.collect(ctx.engines_for(model), ctx.tools, ctx.proto, ctx.tokenizer, pool,
+                            k=stage_cfg.hard_k, agent=stage_cfg.agent,
+                            stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
+                            progress=True, desc="stage3 filter")
+  records = eval_lib.records_from([t for g in groups for t in g])
+  uids = eval_metrics.unsolved_problems(records, k=stage_cfg.hard_k)
   os.makedirs(os.path.dirname(cache), exist_ok=True)
   with open(cache, "w") as f:
     json.dump({"uids": uids, "pool": len(pool), "k": stage_cfg.hard_k}, f)
@@ -298,7 +342,7 @@ def hard_subset(ctx: Context, model, stage_cfg) -> list:
 
 def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
   c = ctx.config
-  sc = c[stage]
+  sc: RLStage = getattr(c, stage)
   problems = ctx.train_problems
   if sc.hard_only:
     problems = hard_subset(ctx, model, sc)
@@ -307,22 +351,19 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
                       len(problems))
       extra = [p for p in ctx.train_problems if p not in problems]
       problems = problems + extra[:c.rl.prompts_per_step - len(problems)]
-  setup = rl_setup(c, sc)
-  trainer = rl_trainer.RLTrainer(setup, model, ctx.tokenizer, ctx.proto, problems, ctx.tools,
-                                 os.path.join(ctx.workdir, stage), mesh=ctx.mesh)
-  if not trainer.maybe_restore() and prev_stage and not sc.reset_optimizer:
-    prev = os.path.join(ctx.workdir, prev_stage, "checkpoints")
-    from rstar_jax import checkpoint as ckpt_lib
-    if os.path.isdir(prev) and ckpt_lib.Checkpointer(prev).latest_step() is not None:
-      state, _ = ckpt_lib.Checkpointer(prev).restore(trainer.state, trainer.shardings)
-      trainer.state = ts.TrainState(trainer.state.step, state.params, state.opt_state)
-      trainer.engine.update_params(trainer.state.params)
-      logging.info("%s: carried the optimizer state over from %s", stage, prev_stage)
+  engines = ctx.engines_for(model)
+  trainer = rl_trainer.RLTrainer(c.rl, sc.agent, model, ctx.tokenizer, ctx.proto, problems,
+                                 engines=engines, tools=ctx.tools,
+                                 workdir=os.path.join(ctx.workdir, stage), seed=c.seed,
+                                 mesh=ctx.mesh, rules=ctx.rules)
   try:
-    history = trainer.run()
+    if not trainer.maybe_restore() and prev_stage and not sc.reset_optimizer:
+      if trainer.carry_over_from(os.path.join(ctx.workdir, prev_stage, "checkpoints")):
+        logging.info("%s: carried the optimizer state over from %s", stage, prev_stage)
+    history = trainer.run(sc.num_steps)
+    model = trainer.model()
   finally:
     trainer.close()
-  model = trainer.model()
   export(ctx, model, stage)
   last = history[-1] if history else {}
   _mark_done(ctx.workdir, stage, {"steps": trainer.step, "problems": len(problems),
@@ -330,16 +371,13 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
   return model
 
 
-def run_eval(ctx: Context, model, name: str):
+def run_eval(ctx: Context, model, name: str, *, source: str = ""):
   e = ctx.config.eval
-  engine, pool = _engine(ctx, model)
-  try:
-    report, trajs = eval_lib.evaluate(pool, ctx.tools, ctx.proto, ctx.tokenizer,
-                                      ctx.eval_problems, k=e.k,
-                                      agent_cfg=eval_agent_config(ctx.config),
-                                      seed=ctx.config.seed + 99, dataset=name)
-  finally:
-    engine.stop()
+  report, trajs = eval_lib.evaluate(ctx.engines_for(model), ctx.tools, ctx.proto,
+                                    ctx.tokenizer, ctx.eval_problems, e,
+                                    stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
+                                    dataset=name, model_source=source or name,
+                                    seed=ctx.config.seed)
   path = os.path.join(ctx.workdir, f"eval_{name}.json")
   with open(path, "w") as f:
     f.write(report.to_json())
@@ -349,121 +387,139 @@ def run_eval(ctx: Context, model, name: str):
 
 
 # ---- orchestration -------------------------------------------------------------------
-@contextlib.contextmanager
-def sandbox_tools(config):
-  urls = _csv(config.sandbox.urls)
-  if urls:
-    yield tools_lib.SandboxTools(urls, timeout_s=config.sandbox.timeout_s)
-    return
-  from sandbox.launcher import running_server
-  with running_server(max_children=config.sandbox.max_children) as url:
-    logging.info("started a sandbox server at %s", url)
-    yield tools_lib.SandboxTools([url], timeout_s=config.sandbox.timeout_s)
+def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[str]:
+  """The stages this run will execute, in order; says which are done or skipped."""
+  wanted = list(stages or ALL_STAGES)
+  unknown = sorted(set(wanted) - set(ALL_STAGES))
+  if unknown:
+    raise config_utils.ConfigError(f"stages: unknown {unknown}; known {list(ALL_STAGES)}")
+  todo = []
+  for stage in ALL_STAGES:
+    if stage not in wanted:
+      continue
+    if stage == "sft" and not cfg.sft.enabled:
+      print("sft: disabled (config.sft.enabled=False)")
+    elif stage in RL_STAGES and getattr(cfg, stage).num_steps <= 0:
+      print(f"{stage}: 0 steps, skipped")
+    elif stage != "eval" and _done(workdir, stage):
+      print(f"{stage}: already done ({os.path.join(workdir, stage, 'DONE.json')}), skipped")
+    else:
+      todo.append(stage)
+  first_model_stage = next((s for s in todo if s != "sft"), None)
+  if first_model_stage and "sft" not in todo and not cfg.model.hf_dir \
+      and not cfg.allow_random_init and not _last_done(workdir, first_model_stage):
+    raise config_utils.ConfigError(
+        f"{first_model_stage} would start from a randomly initialised model: no earlier stage "
+        f"is finished in {workdir} and config.model.hf_dir is not set. Run SFT first "
+        "(--stages=sft or the whole recipe), point --config.workdir at a run that has it, "
+        "or pass --config.allow_random_init=True if that is what you want")
+  if not todo:
+    print(f"nothing to do: every requested stage is finished in {workdir}")
+  return todo
 
 
-def build_context(config, tools) -> Context:
-  workdir = os.path.abspath(config.workdir)
-  os.makedirs(workdir, exist_ok=True)
-  mesh = None
-  if config.mesh.get("enabled", False):
-    mesh = config_utils.mesh_from_config({k: v for k, v in config.mesh.items() if k != "enabled"})
-  tok = build_tokenizer(config, workdir)
-  proto = chat.ChatProtocol(tok, chat_config(config))
-  train, evals = load_problems(config)
-  return Context(config, workdir, tok, proto, train, evals, tools, mesh)
+def _last_done(workdir: str, before: str) -> str | None:
+  order = ["sft", *RL_STAGES]
+  stop = order.index(before) if before in order else len(order)
+  done = [s for s in order[:stop] if _done(workdir, s)]
+  return done[-1] if done else None
 
 
-def run(config, stages: list[str] | None = None) -> dict[str, Any]:
+def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
-  stages = stages or ["sft", *RL_STAGES, "eval"]
+  cfg = build_config(config)
+  workdir = check_workdir(cfg)
+  print(f"config ({os.path.join(workdir, 'config.json')}):\n{resolved_json(cfg)}")
+  todo = plan(cfg, workdir, stages)
   reports: dict[str, Any] = {}
-  if config.get("compile_cache", False):
-    config_utils.enable_compile_cache(os.path.join(os.path.abspath(config.workdir),
-                                                   "compile_cache"))
-  with sandbox_tools(config) as tools:
-    ctx = build_context(config, tools)
-    with open(os.path.join(ctx.workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-    model, prev = None, None
-    order = ["sft", *RL_STAGES]
-    for stage in order:
-      if stage == "sft" and not config.sft.enabled:
-        continue
-      if stage in RL_STAGES and config[stage].num_steps <= 0:
-        continue
-      if _done(ctx.workdir, stage) or stage not in stages:
-        if _done(ctx.workdir, stage):
-          prev = stage
-          model = None
-        continue
-      if model is None:
-        model = load_stage_model(ctx, prev) if prev else initial_model(config, ctx.tokenizer,
-                                                                       ctx.mesh)
-      if stage == "sft":
-        model = run_sft(ctx, model)
-        if config.eval.after_sft:
-          reports["after_sft"] = run_eval(ctx, model, "after_sft")
-          print(reports["after_sft"].to_table())
-      else:
-        model = run_rl_stage(ctx, stage, model, prev if prev in RL_STAGES else None)
-      prev = stage
-    if "eval" in stages:
-      if model is None:
-        model = load_stage_model(ctx, prev) if prev else initial_model(config, ctx.tokenizer,
-                                                                       ctx.mesh)
-      reports["final"] = run_eval(ctx, model, "final")
-      print(reports["final"].to_table())
-      sft_report = os.path.join(ctx.workdir, "eval_after_sft.json")
-      if os.path.exists(sft_report):
-        with open(sft_report) as f:
-          before = json.load(f)
-        print(f"pass@1 after SFT {100 * before['pass_at_1']:.1f}% -> final "
-              f"{100 * reports['final'].pass_at_1:.1f}% (temperature "
-              f"{reports['final'].temperature}, k={reports['final'].samples_per_problem})")
-    plot = plot_progress(ctx.workdir)
-    if plot:
-      print(f"plot: {plot}")
+  if not todo:
+    return reports
+  if cfg.compile_cache:
+    config_utils.enable_compile_cache(os.path.join(workdir, "compile_cache"))
+  with tools_lib.build_tools(cfg.tools) as tools:
+    ctx = build_context(cfg, tools, workdir)
+    try:
+      with interrupt.StopRequests() as stop:
+        reports = _run_stages(cfg, ctx, workdir, todo, stop)
+    finally:
+      if ctx.engines is not None:
+        ctx.engines.stop()
+  plot = progress_plot.plot_rl_progress(workdir, RL_STAGES)
+  if plot:
+    print(f"plot: {plot}")
   return reports
 
 
-def plot_progress(workdir: str) -> str | None:
-  """PNG of accuracy, tool-error rate inside correct trajectories, response length."""
-  from rstar_jax import metrics as metrics_lib
-  rows, offset = [], 0
-  for stage in RL_STAGES:
-    path = os.path.join(workdir, stage, "metrics_rl.jsonl")
-    if not os.path.exists(path):
+def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
+                stop: interrupt.StopRequests):
+  """The stages in `todo`; a signal stops the run after the stage in flight."""
+  reports: dict[str, Any] = {}
+  model = None
+
+  def check_stop(done: str):
+    if stop.requested and done != todo[-1]:
+      raise interrupt.Interrupted(stop.signum, after=f"stage {done}")
+
+  for stage in todo:
+    if stage == "eval":
       continue
-    stage_rows = metrics_lib.read_jsonl(path)
-    for r in stage_rows:
-      rows.append({**r, "global_step": r["step"] + offset, "stage": stage})
-    offset += max((r["step"] for r in stage_rows), default=0)
-  if not rows:
-    return None
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  keys = [("rollout/reward_mean", "accuracy (sampled, all rollouts)"),
-          ("rollout/tool_error_rate_correct", "tool-error rate in correct trajectories"),
-          ("rollout/model_tokens_mean", "response length (model tokens)")]
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-  x = [r["global_step"] for r in rows]
-  # Stage boundaries: stage 3 trains on the hard subset only, so its accuracy drops.
-  starts = {}
-  for r in rows:
-    starts.setdefault(r["stage"], r["global_step"] - 0.5)
-  for ax, (k, title) in zip(axes, keys):
-    y = [float(r.get(k, np.nan)) for r in rows]
-    ax.plot(x, y, marker=".")
-    for stage, at in starts.items():
-      ax.axvline(at, color="gray", linestyle=":", linewidth=1)
-      ax.text(at, 1.0, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=8,
-              va="top", color="gray")
-    ax.set_title(title)
-    ax.set_xlabel("RL step")
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  path = os.path.join(workdir, "rl_progress.png")
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
+    prev = _last_done(workdir, stage)
+    if model is None:
+      model = load_stage_model(ctx, prev) if prev else initial_model(cfg, ctx.tokenizer,
+                                                                     ctx.mesh, ctx.rules)
+    if stage == "sft":
+      model = run_sft(ctx, model)
+      if cfg.eval.after_sft:
+        check_stop(stage)
+        reports["after_sft"] = run_eval(ctx, model, "after_sft")
+        print(reports["after_sft"].to_table())
+    else:
+      model = run_rl_stage(ctx, stage, model, prev if prev in RL_STAGES else None)
+    check_stop(stage)
+  if "eval" in todo:
+    if model is None:
+      prev = _last_done(workdir, "eval")
+      model = load_stage_model(ctx, prev) if prev else initial_model(
+          cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+    reports["final"] = run_eval(ctx, model, "final")
+    print(reports["final"].to_table())
+    _print_gain(workdir, reports["final"])
+  return reports
+
+
+def _print_gain(workdir: str, final) -> None:
+  sft_report = os.path.join(workdir, "eval_after_sft.json")
+  if os.path.exists(sft_report):
+    with open(sft_report) as f:
+      before = json.load(f)
+    print(f"pass@1 after SFT {100 * before['pass_at_1']:.1f}% -> final "
+          f"{100 * final.pass_at_1:.1f}% (temperature {final.temperature}, "
+          f"k={final.samples_per_problem})")
+
+
+def evaluate_hf_dir(config, hf_dir: str):
+  """Evaluates a HF export with the tokenizer saved beside its weights (the one it was
+  trained with); the report records the directory and seed (<workdir>/eval_hf_dir.json)."""
+  from rstar_jax.model import tokenizer as tokenizer_lib
+  cfg = build_config(config)
+  if not os.path.exists(os.path.join(hf_dir, "config.json")):
+    raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
+  if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+    tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)
+  elif cfg.tokenizer.kind == "hf":
+    tok = sources.build_tokenizer(cfg.tokenizer, cfg.workdir, seed=cfg.seed)
+  else:
+    raise config_utils.ConfigError(
+        f"--hf_dir {hf_dir} has no tokenizer.json, and config.tokenizer.kind='toy' would "
+        "train a new tokenizer that does not match it; set --config.tokenizer.kind=hf "
+        "--config.tokenizer.path=DIR")
+  workdir = os.path.abspath(cfg.workdir)
+  os.makedirs(workdir, exist_ok=True)
+  with tools_lib.build_tools(cfg.tools) as tools:
+    ctx = build_context(cfg, tools, workdir, tokenizer=tok)
+    model = hf_io.load_hf(hf_dir, mesh=ctx.mesh, rules=ctx.rules, **runtime_overrides(cfg))
+    try:
+      return run_eval(ctx, model, "hf_dir", source=hf_dir)
+    finally:
+      if ctx.engines is not None:
+        ctx.engines.stop()

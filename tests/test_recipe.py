@@ -14,32 +14,22 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "--config.model.preset=tiny", "--config.model.hidden_size=64",
-    "--config.model.intermediate_size=128", "--config.model.head_dim=16",
-    "--config.rl.drop_equal_reward_groups=False", "--config.data.toy_train_problems=64",
-    "--config.data.toy_eval_problems=4", "--config.sft.num_traces=64",
-    "--config.sft.epochs=1", "--config.sft.rows_per_step=4", "--config.sft.seq_len=256",
-    "--config.sft.eval_every=5", "--config.rl.prompts_per_step=2",
-    "--config.rl.samples_per_prompt=4", "--config.rl.group_size=2",
-    "--config.rl.checkpoint_every=1", "--config.engine.num_slots=8",
-    "--config.engine.max_len=320", "--config.stage1.max_response_tokens=48",
-    "--config.stage2.num_steps=0", "--config.stage3.num_steps=0", "--config.eval.k=2",
-    "--config.eval.max_response_tokens=48", "--config.eval.after_sft=False",
-]
+SMOKE = "experiments/configs/toy.py:smoke"   # tiny sizes: the whole pipeline in about a minute
 
 
-def _run(workdir, *extra, module="experiments.recipe", wait=True):
-  cmd = [sys.executable, "-m", module, "--config", "experiments/configs/toy.py",
-         f"--config.workdir={workdir}", *TINY, *extra]
+def _run(workdir, *extra, module="experiments.recipe", wait=True, check=True, config=SMOKE):
+  cmd = [sys.executable, "-m", module, "--config", config, f"--config.workdir={workdir}",
+         *extra]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop
   if not wait:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  return out.stdout + out.stderr
+  if check:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+  return out
 
 
 def _metrics(path):
@@ -74,43 +64,90 @@ def test_two_step_recipe_end_to_end(recipe_dir):
   assert os.path.getsize(os.path.join(workdir, "rl_progress.png")) > 1000
   sft = _metrics(os.path.join(workdir, "sft", "metrics_sft.jsonl"))
   assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]   # SFT learns something
+  # The export renders our protocol through transformers' chat template.
+  import transformers
+  from rstar_jax import recipe
+  from rstar_jax.model import tokenizer as tokenizer_lib
+  from rstar_jax.rollout import chat
+  export = os.path.join(workdir, "stage1", "export")
+  hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+  text = hf_tok.apply_chat_template([{"role": "user", "content": "What is 12*34?"}],
+                                    tokenize=False, add_generation_prompt=True)
+  cfg = recipe.build_config(json.load(open(os.path.join(workdir, "config.json"))))
+  proto = chat.ChatProtocol(tokenizer_lib.Tokenizer.from_dir(export), cfg.chat)
+  assert hf_tok.encode(text, add_special_tokens=False) == proto.prompt_ids("What is 12*34?")
 
 
 def test_rerun_skips_finished_stages(recipe_dir):
   workdir, _ = recipe_dir
-  t0 = time.time()
   log = _run(workdir, "--config.stage1.num_steps=2", "--stages=sft,stage1")
   assert "SFT:" not in log and "RL:" not in log   # no progress bars: nothing re-ran
-  assert time.time() - t0 < 120
+  assert "sft: already done" in log and "stage1: already done" in log
+  assert "nothing to do" in log
 
 
-def test_rl_killed_and_resumed_matches_uninterrupted(recipe_dir, tmp_path):
-  src, _ = recipe_dir
-  runs = {}
-  for name in ("straight", "killed"):
-    d = tmp_path / name
-    d.mkdir()
-    shutil.copytree(os.path.join(src, "tokenizer"), d / "tokenizer")
-    shutil.copytree(os.path.join(src, "sft"), d / "sft")
-    runs[name] = str(d)
-  args = ("--config.stage1.num_steps=3", "--stages=stage1",
-          "--config.engine.num_slots=4")
-  _run(runs["straight"], *args)
-  # Start the same run, kill -9 it once it has finished two steps, then resume.
-  proc = _run(runs["killed"], *args, wait=False)
-  path = os.path.join(runs["killed"], "stage1", "metrics_rl.jsonl")
-  deadline = time.time() + 400
-  while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(path) and len(_metrics(path)) >= 2:
-      break
-    time.sleep(0.2)
-  assert proc.poll() is None, "run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert not os.path.exists(os.path.join(runs["killed"], "stage1", "DONE.json"))
-  _run(runs["killed"], *args)
-  a = _metrics(os.path.join(runs["straight"], "stage1", "metrics_rl.jsonl"))
-  b = _metrics(os.path.join(runs["killed"], "stage1", "metrics_rl.jsonl"))
+def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
+  workdir, log = recipe_dir
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  assert saved["rl"]["downsample"]["use_error_penalty"] is True   # every field, resolved
+  assert saved["stage1"]["num_steps"] == 2 and '"use_format_penalty": true' in log
+  out = _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
+             "--stages=sft", check=False)
+  assert out.returncode == 2
+  assert "made with another config; changed: rl.optimizer.learning_rate: 0.0003 -> 0.001" \
+      in out.stderr
+  assert json.load(open(os.path.join(workdir, "config.json"))) == saved   # never overwritten
+  _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
+       "--stages=sft", "--config.allow_config_change=True")
+  beside = json.load(open(os.path.join(workdir, "config_1.json")))
+  assert beside["rl"]["optimizer"]["learning_rate"] == 1e-3
+  assert json.load(open(os.path.join(workdir, "config.json"))) == saved
+  os.remove(os.path.join(workdir, "config_1.json"))
+
+
+def test_rl_without_sft_refuses_a_random_model(tmp_path):
+  out = _run(tmp_path, module="experiments.train_rl", check=False)
+  assert out.returncode == 2
+  assert "would start from a randomly initialised model" in out.stderr
+  assert "allow_random_init" in out.stderr and "Traceback" not in out.stderr
+  assert not os.path.exists(tmp_path / "stage1" / "checkpoints")
+
+
+def test_evaluate_hf_dir_uses_the_exports_tokenizer(recipe_dir, tmp_path):
+  workdir, _ = recipe_dir
+  export = os.path.join(workdir, "stage1", "export")
+  # Another seed would train another toy tokenizer; the export's own must be used.
+  _run(tmp_path, "--config.seed=5", f"--hf_dir={export}", module="experiments.evaluate")
+  report = json.load(open(tmp_path / "eval_hf_dir.json"))
+  assert report["model_source"] == export and report["seed"] == 5
+  assert not os.path.exists(tmp_path / "tokenizer")   # none trained
+  samples = _metrics(tmp_path / "eval_hf_dir_samples.jsonl")
+  from rstar_jax.model import tokenizer as tokenizer_lib
+  tok = tokenizer_lib.Tokenizer.from_dir(export)
+  assert all(s["response"] == tok.decode(tok.encode(s["response"])) for s in samples[:2])
+
+
+RL_ARGS = ("--config.stage1.num_steps=3", "--stages=stage1",
+           "--config.rollout.engine.num_slots=4")
+
+
+def _copy_sft(src, dst):
+  os.makedirs(dst)
+  shutil.copytree(os.path.join(src, "tokenizer"), os.path.join(dst, "tokenizer"))
+  shutil.copytree(os.path.join(src, "sft"), os.path.join(dst, "sft"))
+  return str(dst)
+
+
+@pytest.fixture(scope="module")
+def straight_rl(recipe_dir, tmp_path_factory):
+  """Stage 1 run uninterrupted from the shared SFT result: the reference."""
+  d = _copy_sft(recipe_dir[0], tmp_path_factory.mktemp("straight") / "run")
+  _run(d, *RL_ARGS)
+  return _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
+
+
+def _assert_same_metrics(a, b):
   assert [r["step"] for r in b] == [1, 2, 3]
   for ra, rb in zip(a, b):
     for k, v in ra.items():
@@ -120,3 +157,53 @@ def test_rl_killed_and_resumed_matches_uninterrupted(recipe_dir, tmp_path):
         assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-7), (ra["step"], k)
       else:
         assert rb[k] == v, (ra["step"], k)
+
+
+def _signal_after(workdir, sig, rows: int, delay: float):
+  """Starts stage 1, sends `sig` `delay` s after `rows` steps are logged; returns the proc."""
+  proc = _run(workdir, *RL_ARGS, wait=False)
+  path = os.path.join(workdir, "stage1", "metrics_rl.jsonl")
+  deadline = time.time() + 400
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(path) and len(_metrics(path)) >= rows:
+      break
+    time.sleep(0.05)
+  time.sleep(delay)
+  assert proc.poll() is None, "run ended before the signal:\n" + proc.stdout.read()[-3000:]
+  proc.send_signal(sig)
+  proc.wait(timeout=400)
+  return proc
+
+
+def test_rl_killed_and_resumed_matches_uninterrupted(recipe_dir, straight_rl, tmp_path):
+  # kill -9 once two steps are done: the periodic checkpoint is all that survives.
+  d = _copy_sft(recipe_dir[0], tmp_path / "killed")
+  _signal_after(d, signal.SIGKILL, rows=2, delay=0.0)
+  assert not os.path.exists(os.path.join(d, "stage1", "DONE.json"))
+  _run(d, *RL_ARGS)
+  _assert_same_metrics(straight_rl, _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl")))
+
+
+# Several points of a step: right after a step is logged (the next step's rollouts are
+# starting), a moment into them, and later in the step (rollouts or the update).
+@pytest.mark.parametrize("sig,rows,delay", [(signal.SIGINT, 1, 0.0),
+                                            (signal.SIGTERM, 1, 0.7),
+                                            (signal.SIGINT, 2, 0.3)])
+def test_rl_interrupted_and_resumed_matches_uninterrupted(recipe_dir, straight_rl, tmp_path,
+                                                          sig, rows, delay):
+  d = _copy_sft(recipe_dir[0], tmp_path / "interrupted")
+  proc = _signal_after(d, sig, rows=rows, delay=delay)
+  out = proc.stdout.read()
+  logged = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
+  if proc.returncode == 0:   # the signal landed after the last step: nothing to resume
+    assert len(logged) == 3
+  else:
+    # The step in flight was finished and saved with ITS data position, then it stopped.
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert f"interrupted: stopped by {signal.Signals(sig).name} after step {len(logged)}" in out
+    from rstar_jax import checkpoint as ckpt_lib
+    ckpt = ckpt_lib.Checkpointer(os.path.join(d, "stage1", "checkpoints"))
+    assert ckpt.latest_step() == len(logged) < 3
+    ckpt.close()
+    _run(d, *RL_ARGS)
+  _assert_same_metrics(straight_rl, _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl")))

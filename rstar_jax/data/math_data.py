@@ -16,7 +16,9 @@ Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows) and `.parqu
 A malformed row gives a `DataError` naming the file, the row (1-based line for
 JSONL, 1-based row for Parquet and JSON arrays) and the field. With
 `on_error="skip"` such rows are skipped, counted and the first few reasons are
-logged and returned in the `LoadResult`: nothing is lost silently.
+logged and returned in the `LoadResult`: nothing is lost silently. A file with no
+rows at all (empty, only blank lines, `[]`, a 0-row Parquet table) is a `DataError`
+naming the file, in both modes.
 
 The filters (`filter_integer_answers`, `deduplicate`) return what they drop as
 well as what they keep, for the same reason.
@@ -49,8 +51,7 @@ from rstar_jax.registry import Registry
 
 # One definition of "boxed answer" and "integer answer" for data and reward alike: a
 # problem the integer filter keeps is exactly one the reward compares strictly.
-from rstar_jax.rl.rewards import extract_boxed
-from rstar_jax.rl.rewards import parse_integer
+from rstar_jax.answers import extract_boxed, parse_integer
 
 T = TypeVar("T")
 PathLike = str | os.PathLike
@@ -97,11 +98,19 @@ class RowError:
 
 
 class DataError(ValueError):
-  """A malformed row; `row_error` says where and why."""
+  """A malformed row (`row_error` says where and why) or an unusable file.
 
-  def __init__(self, row_error: RowError):
-    super().__init__(str(row_error))
+  File-level errors (a file with no rows at all) have `row_error=None`; `path` names
+  the file in both cases.
+  """
+
+  def __init__(self, row_error: RowError | None = None, *, path: PathLike | None = None,
+               message: str | None = None):
+    if row_error is None and (path is None or message is None):
+      raise TypeError("DataError needs a RowError, or a path and a message")
+    super().__init__(str(row_error) if row_error is not None else f"{path}: {message}")
     self.row_error = row_error
+    self.path = row_error.path if row_error is not None else str(path)
 
 
 class FieldError(ValueError):
@@ -156,11 +165,14 @@ def _read_jsonl(path: pathlib.Path) -> Iterator[_Read]:
 
 def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
   with _open_text(path) as f:
-    try:
-      data = json.load(f)
-    except json.JSONDecodeError as e:
-      raise DataError(RowError(str(path), e.lineno, "line", None,
-                               f"invalid JSON ({e.msg} at column {e.colno})")) from e
+    text = f.read()
+  if not text.strip():
+    return  # No rows; _load_rows reports the empty file.
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise DataError(RowError(str(path), e.lineno, "line", None,
+                             f"invalid JSON ({e.msg} at column {e.colno})")) from e
   if isinstance(data, dict) and isinstance(data.get("data"), list):
     data = data["data"]
   if not isinstance(data, list):
@@ -172,6 +184,8 @@ def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
 
 def _read_parquet(path: pathlib.Path) -> Iterator[_Read]:
   import pyarrow.parquet as pq  # Imported lazily: only Parquet users pay for it.
+  if path.stat().st_size == 0:
+    return  # A 0-byte file holds no rows; _load_rows reports it (pyarrow's error would not).
   row_no = 0
   for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
     for row in batch.to_pylist():
@@ -218,6 +232,7 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
   num_rows = num_skipped = 0
   for path in _as_paths(paths):
     reader, unit = _reader_for(path)
+    rows_before = num_rows
     for row_no, row, error in reader(path):
       num_rows += 1
       if error is None and not isinstance(row, dict):
@@ -234,6 +249,11 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
       num_skipped += 1
       if len(errors) < max_reported:
         errors.append(error)
+    if num_rows == rows_before:
+      # Raised in "skip" mode too: an empty file is a wrong path or a failed export, not a
+      # bad row, and loading nothing from it silently would hide that.
+      raise DataError(path=path, message=f"no rows: the file is empty or holds only blank "
+                                         f"lines ({what})")
   result = LoadResult(tuple(items), num_rows, num_skipped, tuple(errors))
   if num_skipped:
     logging.warning("%s: %s", what, result.summary())
@@ -446,7 +466,7 @@ def filter_integer_answers(problems: Iterable[MathProblem]
                            ) -> tuple[list[MathProblem], list[MathProblem]]:
   """Keeps problems with integer answers (rStar2's RL data rule). Returns (kept, dropped).
 
-  "Integer answer" is `rstar_jax.rl.rewards.parse_integer`: an integer literal after light
+  "Integer answer" is `rstar_jax.answers.parse_integer`: an integer literal after light
   normalisation ("42", "-7", "1,000", "$12$", "\\boxed{5}", "x = 4"); "1/2", "\\sqrt{2}",
   "3.5", "12.0" are dropped.
 

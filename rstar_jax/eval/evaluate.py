@@ -1,11 +1,10 @@
-"""Evaluation runs: k sampled trajectories per problem through the agent loop.
+"""Evaluation runs: k sampled trajectories per problem (the RL rollout collector), scored.
 
 Sampling is explicit (temperature is a required argument and is printed in every
 report): the release's eval script sampled greedily by default (SPEC.md section 6).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -13,8 +12,8 @@ from typing import Sequence
 
 from rstar_jax.data import math_data
 from rstar_jax.eval import metrics
-from rstar_jax.rl import rewards
-from rstar_jax.rollout import agent_loop, chat
+from rstar_jax.rl import rollouts
+from rstar_jax.rollout import agent_loop
 
 
 def records_from(trajs: Sequence[agent_loop.Trajectory]) -> list[metrics.SampleRecord]:
@@ -28,46 +27,42 @@ def records_from(trajs: Sequence[agent_loop.Trajectory]) -> list[metrics.SampleR
   return out
 
 
-def sample_trajectories(engine, tools, proto: chat.ChatProtocol, tokenizer,
-                        problems: Sequence[math_data.MathProblem], *, k: int,
-                        agent_cfg: agent_loop.AgentConfig, seed: int,
-                        progress: bool = True, desc: str = "eval"
-                        ) -> list[agent_loop.Trajectory]:
-  """k trajectories per problem (uids '<problem uid>#<j>'), rewards filled in."""
-  items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
-  answers = [p.answer for p in problems for _ in range(k)]
-  seeds = [(seed * 7_919 + i) % (2 ** 31 - 1) for i in range(len(items))]
-  bar = None
-  if progress:
-    from tqdm import tqdm
-    bar = tqdm(total=len(items), desc=desc, unit="traj")
-  try:
-    trajs = asyncio.run(agent_loop.run_many(
-        engine, tools, proto, items, agent_cfg, seeds=seeds,
-        progress=(lambda _: bar.update(1)) if bar is not None else None))
-  finally:
-    if bar is not None:
-      bar.close()
-  for t, ans in zip(trajs, answers):
-    t.reward = rewards.compute_reward(t.model_text(tokenizer), ans, truncated=t.truncated)
-  return trajs
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """Attributes:
+    k: samples per problem (pass@1 is their mean; pass@k unbiased, up to k).
+    agent: turn / token budget and sampling (temperature is stated in every report).
+  """
+  k: int = 4
+  agent: agent_loop.AgentConfig = dataclasses.field(default_factory=agent_loop.AgentConfig)
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"EvalConfig.k must be >= 1, got {self.k}")
 
 
-def evaluate(engine, tools, proto, tokenizer, problems, *, k: int,
-             agent_cfg: agent_loop.AgentConfig, seed: int = 1234, dataset: str = "",
-             progress: bool = True) -> tuple[metrics.EvalReport, list[agent_loop.Trajectory]]:
-  trajs = sample_trajectories(engine, tools, proto, tokenizer, problems, k=k,
-                              agent_cfg=agent_cfg, seed=seed, progress=progress, desc=dataset)
-  ks = sorted({1, k} | {x for x in (2, 4, 8, 16) if x < k})
-  report = metrics.compute_report(records_from(trajs), temperature=agent_cfg.temperature,
-                                  top_p=agent_cfg.top_p, ks=ks, dataset=dataset)
+def evaluate(engine, tools, proto, tokenizer, problems, cfg: EvalConfig, *,
+             stream: Sequence[int], dataset: str = "", model_source: str = "",
+             seed: int | None = None, progress: bool = True
+             ) -> tuple[metrics.EvalReport, list[agent_loop.Trajectory]]:
+  """k trajectories per problem through `rl.rollouts.collect`, and their report."""
+  groups = rollouts.collect(engine, tools, proto, tokenizer, problems, k=cfg.k,
+                            agent=cfg.agent, stream=stream, progress=progress,
+                            desc=dataset or "eval")
+  trajs = [t for g in groups for t in g]
+  ks = sorted({1, cfg.k} | {x for x in (2, 4, 8, 16) if x < cfg.k})
+  report = metrics.compute_report(records_from(trajs), temperature=cfg.agent.temperature,
+                                  top_p=cfg.agent.top_p, ks=ks, dataset=dataset,
+                                  model_source=model_source, seed=seed)
   return report, trajs
 
 
 def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
                   problems: Sequence[math_data.MathProblem], tokenizer) -> str:
   """One JSON line per trajectory: problem, reference answer, the whole response text
-  (tool outputs included), reward and tool counts; for reading what the model did."""
+  (tool outputs included), reward and tool counts; for reading what the model did.
+  The token ids (prompt, response) and the response's loss mask (1 = model-written,
+  0 = tool side) are stored too, for analyses that rescore them (analysis/entropy.py)."""
   by_uid = {p.uid: p for p in problems}
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -78,6 +73,8 @@ def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
           "uid": t.uid, "problem": p.problem if p else None, "answer": p.answer if p else None,
           "meta": p.meta if p else {}, "reward": t.reward, "finish_reason": t.finish_reason,
           "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-          "response": tokenizer.decode(t.response_ids)}) + "\n")
+          "response": tokenizer.decode(t.response_ids),
+          "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids),
+          "response_mask": list(t.response_mask)}) + "\n")
   os.replace(tmp, path)
   return path

@@ -27,6 +27,8 @@ import json
 import math
 from typing import Any, Iterable, Sequence
 
+from rstar_jax.rollout import stats
+
 
 @dataclasses.dataclass(frozen=True)
 class SampleRecord:
@@ -132,6 +134,9 @@ class EvalReport:
   share_no_tool_call: float
   share_truncated: float
   per_problem: tuple[ProblemStats, ...] = ()
+  # Provenance: what was scored (an export directory, a stage) and the run's seed.
+  model_source: str = ""
+  seed: int | None = None
 
   def __post_init__(self):
     if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
@@ -255,7 +260,8 @@ def _is_correct(record: SampleRecord, threshold: float) -> bool:
 
 def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p: float = 1.0,
                    ks: Sequence[int] | None = None, dataset: str = "",
-                   success_threshold: float = 1.0) -> EvalReport:
+                   success_threshold: float = 1.0, model_source: str = "",
+                   seed: int | None = None) -> EvalReport:
   """Aggregates per-sample records into an `EvalReport`.
 
   Args:
@@ -292,8 +298,7 @@ def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p
         truncated=sum(r.truncated for r in group)))
 
   n_problems, n_samples = len(per_problem), len(all_records)
-  calls = sum(r.num_tool_calls for r in all_records)
-  errors = sum(r.num_tool_errors for r in all_records)
+  tool = stats.tool_stats(all_records, threshold=success_threshold)
   return EvalReport(
       temperature=float(temperature), top_p=float(top_p), dataset=dataset,
       samples_per_problem=k, num_problems=n_problems, num_samples=n_samples,
@@ -303,13 +308,12 @@ def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p
       mean_response_tokens=sum(r.response_tokens for r in all_records) / n_samples,
       mean_response_tokens_correct=_ratio(sum(r.response_tokens for r in correct), len(correct)),
       mean_turns=sum(r.num_turns for r in all_records) / n_samples,
-      tool_calls_per_trajectory=calls / n_samples,
-      tool_error_rate=_ratio(errors, calls),
-      tool_error_rate_correct=_ratio(sum(r.num_tool_errors for r in correct),
-                                     sum(r.num_tool_calls for r in correct)),
-      share_no_tool_call=sum(r.num_tool_calls == 0 for r in all_records) / n_samples,
+      tool_calls_per_trajectory=tool["tool_calls_per_traj"],
+      tool_error_rate=tool["tool_error_rate"],
+      tool_error_rate_correct=tool["tool_error_rate_correct"],
+      share_no_tool_call=tool["no_tool_share"],
       share_truncated=sum(r.truncated for r in all_records) / n_samples,
-      per_problem=tuple(per_problem))
+      per_problem=tuple(per_problem), model_source=model_source, seed=seed)
 
 
 def unsolved_problems(records: Iterable[SampleRecord], k: int, *,

@@ -115,3 +115,42 @@ def get_preset(name: str, **overrides: Any) -> Qwen3Config:
   if name not in PRESETS:
     raise ValueError(f"Unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+# ---- config.model ------------------------------------------------------------------------
+def _model_config_fields():
+  fields = [("preset", str | None, dataclasses.field(default=None)),
+            ("hf_dir", str | None, dataclasses.field(default=None))]
+  for f in dataclasses.fields(Qwen3Config):
+    fields.append((f.name, f.type + " | None" if isinstance(f.type, str) else f.type | None,
+                   dataclasses.field(default=None)))
+  return fields
+
+
+def _model_config_post_init(self):
+  if bool(self.preset) == bool(self.hf_dir):
+    raise ValueError("ModelConfig: set exactly one of `preset` (one of "
+                     f"{sorted(PRESETS)}) or `hf_dir` (a HF Qwen3 directory)")
+  if self.preset and self.preset not in PRESETS:
+    raise ValueError(f"ModelConfig.preset={self.preset!r}; known presets: {sorted(PRESETS)}")
+
+
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig", _model_config_fields(), frozen=True, kw_only=True,
+    namespace={"__post_init__": _model_config_post_init, "__module__": __name__,
+               "__doc__": """`config.model`: where the weights come from, and Qwen3Config overrides.
+
+  Exactly one of `preset` (a random init of a published or tiny architecture) or
+  `hf_dir` (a Hugging Face checkpoint). Every Qwen3Config field is also a field here;
+  None keeps the preset's / checkpoint's value. A checkpoint's architecture cannot
+  be changed, only how it runs (dtypes, remat, attention)."""})
+
+# Fields of a checkpoint that may differ from its config.json: how it runs, not what it is.
+RUNTIME_FIELDS = ("param_dtype", "dtype", "remat_policy", "attention_impl", "attention_chunk",
+                  "scan_layers")
+
+
+def overrides_of(cfg) -> dict[str, Any]:
+  """The Qwen3Config fields a ModelConfig sets (not None)."""
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Qwen3Config)
+          if getattr(cfg, f.name) is not None}

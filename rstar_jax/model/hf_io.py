@@ -27,7 +27,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rstar_jax.model import sharding
+from rstar_jax import sharding
 from rstar_jax.model.config import Qwen3Config
 from rstar_jax.model.qwen3 import Qwen3, abstract_model
 
@@ -198,34 +198,76 @@ def _state_key(path) -> str:
 
 # ---- Reading -------------------------------------------------------------------
 class _TensorIndex:
-  """Name -> file for a single or sharded safetensors checkpoint; lazy handles."""
+  """Name -> file for a single or sharded safetensors checkpoint; lazy handles.
+
+  Every failure to find or read a tensor is a `CheckpointError` naming the file and the
+  tensor (never a raw safetensors error), on the plain and the mesh loading path alike.
+  """
+
+  INDEX = "model.safetensors.index.json"
 
   def __init__(self, hf_dir: str):
     self.dir = hf_dir
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    index = os.path.join(hf_dir, self.INDEX)
     single = os.path.join(hf_dir, "model.safetensors")
+    self._handles: dict[str, tuple[Any, frozenset[str]]] = {}
     if os.path.exists(index):
       with open(index) as f:
         try:
-          self.weight_map = dict(json.load(f)["weight_map"])
-        except (json.JSONDecodeError, KeyError) as e:
-          raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
-      for fname in sorted(set(self.weight_map.values())):
-        if not os.path.exists(os.path.join(hf_dir, fname)):
-          raise CheckpointError(f"{index}: shard {fname} listed but missing from {hf_dir}")
+          weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+          raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+      self.weight_map = dict(weight_map)
+      missing = [f for f in sorted(set(self.weight_map.values()))
+                 if not os.path.isfile(os.path.join(hf_dir, f))]
+      if missing:
+        example = next(k for k, v in self.weight_map.items() if v == missing[0])
+        raise CheckpointError(
+            f"{index}: shard file(s) {missing} listed in the index do not exist in {hf_dir} "
+            f"(e.g. tensor {example} is mapped to {missing[0]})")
     elif os.path.exists(single):
-      with safe_open(single, framework="np") as f:
-        self.weight_map = {k: "model.safetensors" for k in f.keys()}
+      self.weight_map = {k: "model.safetensors" for k in self._open("model.safetensors")[1]}
     else:
       raise CheckpointError(
           f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
-    self._handles: dict[str, Any] = {}
+
+  def _open(self, fname: str) -> tuple[Any, frozenset[str]]:
+    if fname not in self._handles:
+      path = os.path.join(self.dir, fname)
+      if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: shard file does not exist (listed in {self.INDEX})")
+      try:
+        handle = safe_open(path, framework="np")
+        keys = frozenset(handle.keys())
+      except Exception as e:  # safetensors raises SafetensorError / OSError on bad files.
+        raise CheckpointError(f"{path}: cannot read as safetensors: {e}") from e
+      self._handles[fname] = (handle, keys)
+    return self._handles[fname]
+
+  def problem(self, name: str) -> str | None:
+    """Why tensor `name` cannot be read (None if it can); raises on unreadable shards."""
+    if name not in self.weight_map:
+      return f"missing tensor {name}"
+    fname = self.weight_map[name]
+    _, keys = self._open(fname)
+    if name not in keys:
+      return (f"shard file {os.path.join(self.dir, fname)} lacks tensor {name}, which "
+              f"{self.INDEX} maps to it ({len(keys)} tensors in that shard)")
+    return None
 
   def slice(self, name: str):
-    fname = self.weight_map[name]
-    if fname not in self._handles:
-      self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="np")
-    return self._handles[fname].get_slice(name)
+    reason = self.problem(name)
+    if reason is not None:
+      raise CheckpointError(f"{self.dir}: {reason}")
+    handle, _ = self._open(self.weight_map[name])
+    try:
+      return handle.get_slice(name)
+    except Exception as e:
+      raise CheckpointError(f"{os.path.join(self.dir, self.weight_map[name])}: cannot read "
+                            f"tensor {name}: {e}") from e
 
 
 def _expected(cfg: Qwen3Config, abs_state) -> dict[str, tuple[_Spec, tuple[int, ...]]]:
@@ -250,8 +292,9 @@ def check_checkpoint(hf_dir: str, cfg: Qwen3Config | None = None) -> Qwen3Config
     layers = range(cfg.num_hidden_layers) if spec.layered else [None]
     for i in layers:
       name = spec.hf.format(i=i)
-      if name not in tensors.weight_map:
-        problems.append(f"missing tensor {name}")
+      reason = tensors.problem(name)
+      if reason is not None:
+        problems.append(reason)
         continue
       got = tuple(tensors.slice(name).get_shape())
       if got != want:
@@ -326,14 +369,30 @@ def hf_tensors(model: Qwen3, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
 
 
 def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
-            max_shard_bytes: int = 5 * 1024 ** 3, tokenizer_dir: str | None = None) -> None:
+            max_shard_bytes: int = 5 * 1024 ** 3, tokenizer_dir: str | None = None,
+            chat_template: str | None = None) -> None:
   """Writes a HF Qwen3 directory (config.json + safetensors [+ index]).
 
   Files are written under temporary names and renamed last, so a crash never
   leaves a directory that looks complete but is not.
+
+  Args:
+    tokenizer_dir: a tokenizer directory whose files are copied alongside.
+    chat_template: a Jinja chat template (e.g. `rollout.chat.hf_chat_template(config)`),
+      stored as `chat_template` in the exported `tokenizer_config.json`, where
+      transformers' `AutoTokenizer` (4.x and 5.x) and SGLang read it. Needs
+      `tokenizer_dir`. A `chat_template.jinja` would take precedence in transformers,
+      so none is copied, and a stale one in `out_dir` is removed.
   """
   if dtype not in _NP_DTYPES:
     raise ValueError(f"save_hf: dtype {dtype!r}; choose from {sorted(_NP_DTYPES)}")
+  if chat_template is not None and not tokenizer_dir:
+    raise ValueError("save_hf: chat_template is stored in the exported tokenizer_config.json, "
+                     "so it needs tokenizer_dir (the tokenizer exported alongside)")
+  if chat_template is not None and (not isinstance(chat_template, str)
+                                    or not chat_template.strip()):
+    raise ValueError(f"save_hf: chat_template must be a non-empty string, got "
+                     f"{chat_template!r:.80}")
   os.makedirs(out_dir, exist_ok=True)
   tensors = hf_tensors(model, dtype)
   shards: list[dict[str, np.ndarray]] = [{}]
@@ -375,3 +434,27 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
       src = os.path.join(tokenizer_dir, fname)
       if os.path.exists(src):
         shutil.copy(src, os.path.join(out_dir, fname))
+    if chat_template is not None:
+      _write_chat_template(out_dir, chat_template)
+
+
+def _write_chat_template(out_dir: str, chat_template: str) -> None:
+  """Sets `chat_template` in out_dir's tokenizer_config.json (created if absent)."""
+  path = os.path.join(out_dir, "tokenizer_config.json")
+  config: dict[str, Any] = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      try:
+        config = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"save_hf: cannot add the chat template to {path}: invalid JSON "
+                         f"({e})") from e
+    if not isinstance(config, dict):
+      raise ValueError(f"save_hf: {path} must hold a JSON object, got {type(config).__name__}")
+  config["chat_template"] = chat_template
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)
+  os.replace(path + ".tmp", path)
+  stale = os.path.join(out_dir, "chat_template.jinja")  # transformers prefers this file
+  if os.path.exists(stale):
+    os.remove(stale)

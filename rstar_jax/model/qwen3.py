@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from rstar_jax.model import sharding
+from rstar_jax import sharding
 from rstar_jax.model.config import Qwen3Config
 
 Cache = dict[str, jax.Array]  # {"k": [L, B, S, Nkv, D], "v": [L, B, S, Nkv, D]}

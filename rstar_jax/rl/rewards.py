@@ -24,12 +24,14 @@ training path has no sympy cost and no timeout concern.
 from __future__ import annotations
 
 import functools
-import re
 import threading
 from typing import Any
 
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
+
+from rstar_jax.answers import (extract_boxed, final_answer, normalize_answer,  # noqa: F401
+                               parse_integer, strip_enclosing_braces)
 
 __all__ = [
     "extract_boxed",
@@ -42,137 +44,6 @@ __all__ = [
 
 # Seconds math-verify may spend per parse / comparison (main thread only, see module doc).
 DEFAULT_TIMEOUT_S = 5
-
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ANSWER_OPEN = "<answer>"
-_ANSWER_CLOSE = "</answer>"
-_INT_RE = re.compile(r"[+-]?\d+")
-_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
-_TEXT_WRAP_RE = re.compile(
-    r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox|rm|bf)\s*\{([^{}]*)\}")
-# "x = 5", "n=12", "a_1 = 3", "a_{10} = 3": a named single value.
-_ASSIGN_PREFIX_RE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
-
-
-def _match_brace(text: str, open_pos: int) -> int | None:
-  """Index of the `}` closing the `{` at `open_pos`, or None when unbalanced.
-
-  `\\{` and `\\}` are literal braces in LaTeX (set notation), so they do not nest.
-  """
-  depth = 0
-  i = open_pos
-  while i < len(text):
-    c = text[i]
-    if c == "\\":
-      i += 2
-      continue
-    if c == "{":
-      depth += 1
-    elif c == "}":
-      depth -= 1
-      if depth == 0:
-        return i
-    i += 1
-  return None
-
-
-def extract_boxed(text: str) -> str | None:
-  """Content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`) in `text`.
-
-  Returns None when there is no `\\boxed`, or when the last one is malformed (unbalanced
-  braces, e.g. a truncated answer): an earlier boxed value is NOT used instead, since the
-  model's final word was something else.
-  """
-  if not isinstance(text, str):
-    raise TypeError(f"extract_boxed expects a str, got {type(text).__name__}")
-  matches = list(_BOXED_RE.finditer(text))
-  if not matches:
-    return None
-  pos = matches[-1].end()
-  while pos < len(text) and text[pos].isspace():
-    pos += 1
-  if pos >= len(text):
-    return None
-  if text[pos] == "{":
-    end = _match_brace(text, pos)
-    if end is None:
-      return None
-    return text[pos + 1:end].strip()
-  # `\boxed 5`: TeX takes one token; take the run up to whitespace or a math delimiter.
-  m = re.match(r"[^\s$]+", text[pos:])
-  return m.group(0) if m else None
-
-
-def final_answer(response_text: str) -> str | None:
-  """The boxed final answer of a response, or None.
-
-  With an `<answer>` tag, only the last `<answer>` block counts (up to `</answer>` or the
-  end of the text when unclosed); without one, the whole response.
-  """
-  if not isinstance(response_text, str):
-    raise TypeError(f"final_answer expects a str, got {type(response_text).__name__}")
-  start = response_text.rfind(_ANSWER_OPEN)
-  if start < 0:
-    return extract_boxed(response_text)
-  start += len(_ANSWER_OPEN)
-  end = response_text.find(_ANSWER_CLOSE, start)
-  segment = response_text[start:] if end < 0 else response_text[start:end]
-  return extract_boxed(segment)
-
-
-def _unwrap_boxed(s: str) -> str:
-  s = s.strip()
-  while True:
-    m = _BOXED_RE.match(s)
-    if not m:
-      return s
-    inner_start = m.end()
-    while inner_start < len(s) and s[inner_start].isspace():
-      inner_start += 1
-    if inner_start >= len(s) or s[inner_start] != "{":
-      return s
-    end = _match_brace(s, inner_start)
-    if end is None or s[end + 1:].strip():
-      return s
-    s = s[inner_start + 1:end].strip()
-
-
-def normalize_answer(answer: str) -> str:
-  """Light, conservative string normalisation used for the integer comparison.
-
-  Removes: math delimiters (`$`, `\\(`, `\\)`, `\\[`, `\\]`), an enclosing `\\boxed{}`,
-  `\\left`/`\\right`, LaTeX spacing (`\\!`, `\\,`, `\\;`, `\\:`, `\\ `, `~`), text/roman
-  wrappers, degree signs, all whitespace, a trailing period, a leading `x =`; turns
-  `\\dfrac`/`\\tfrac` into `\\frac` and `{,}` into `,`; strips thousands separators from a
-  number whose comma groups are all of three digits ("1,234" -> "1234", but "1,23" stays).
-  """
-  s = answer.replace("$", "").replace("\u2212", "-")  # Unicode minus sign.
-  for tok in ("\\(", "\\)", "\\[", "\\]"):
-    s = s.replace(tok, "")
-  s = _unwrap_boxed(s)
-  s = s.replace("{,}", ",")
-  s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
-  s = re.sub(r"\\[!,;:> ]", "", s).replace("~", "")
-  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-  prev = None
-  while prev != s:  # nested wrappers: \text{\textbf{5}}
-    prev = s
-    s = _TEXT_WRAP_RE.sub(r"\1", s)
-  s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s).replace("°", "")
-  s = re.sub(r"\s+", "", s)
-  s = s.rstrip(".")
-  s = _ASSIGN_PREFIX_RE.sub("", s)
-  if _THOUSANDS_RE.fullmatch(s):
-    s = s.replace(",", "")
-  return s
-
-
-def parse_integer(answer: str) -> int | None:
-  """The integer an answer states literally (after `normalize_answer`), else None."""
-  s = normalize_answer(answer)
-  if _INT_RE.fullmatch(s):
-    return int(s)
-  return None
 
 
 def _timeout_for_this_thread(timeout_s: int | None) -> int | None:
@@ -226,7 +97,8 @@ def is_correct(answer: str | None, reference: str | int,
 
   timeout = _timeout_for_this_thread(timeout_s)
   gold = _parse_cached(_strip_delimiters(ref_text), timeout)
-  pred = _parse_cached(_strip_delimiters(answer.replace("{,}", ",")), timeout)
+  pred = _parse_cached(strip_enclosing_braces(_strip_delimiters(answer.replace("{,}", ","))),
+                       timeout)
   if not gold or not pred:
     return False
   return bool(mv_verify(list(gold), list(pred), timeout_seconds=timeout))

@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from rstar_jax.answers import count_answer_tags  # noqa: F401  (re-exported)
 from rstar_jax.registry import Registry
 
 __all__ = [
@@ -115,24 +116,6 @@ def format_penalty(s: RolloutStats) -> float:
 
 def total_penalty(s: RolloutStats, *, use_error: bool = True, use_format: bool = True) -> float:
   return (error_penalty(s) if use_error else 0.0) + (format_penalty(s) if use_format else 0.0)
-
-
-def count_answer_tags(assistant_text: str) -> int:
-  """Complete `<answer>...</answer>` blocks in text the model wrote (not tool output).
-
-  An unmatched opening tag does not count: a rollout that never closed its answer is
-  treated as having one answer fewer.
-  """
-  count, pos = 0, 0
-  while True:
-    start = assistant_text.find("<answer>", pos)
-    if start < 0:
-      return count
-    end = assistant_text.find("</answer>", start + len("<answer>"))
-    if end < 0:
-      return count
-    count += 1
-    pos = end + len("</answer>")
 
 
 def sample_without_replacement(weights: Sequence[float], k: int,

@@ -20,14 +20,8 @@ import dataclasses
 import time
 from typing import Any, Mapping, Protocol, Sequence
 
-from rstar_jax.rl import batching
-from rstar_jax.rl import roc
 from rstar_jax.rollout import chat
-from rstar_jax.rollout.jax_engine import GenerationRequest, GenerationResult
-
-
-class Engine(Protocol):
-  async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+from rstar_jax.rollout.engine import Engine, GenerationRequest
 
 
 class ToolExecutor(Protocol):
@@ -84,18 +78,6 @@ class Trajectory:
   def model_text(self, tokenizer) -> str:
     """What the model wrote, turn by turn (tool outputs excluded): rewards read this."""
     return "\n".join(tokenizer.decode(self.response_ids[a:b]) for a, b in self.turns)
-
-  def token_trajectory(self) -> batching.TokenTrajectory:
-    return batching.TokenTrajectory(prompt_ids=self.prompt_ids, response_ids=self.response_ids,
-                                    response_mask=self.response_mask,
-                                    response_logprobs=self.response_logprobs)
-
-  def rollout_stats(self) -> roc.RolloutStats:
-    if self.reward is None:
-      raise ValueError(f"trajectory {self.uid}: reward not set")
-    return roc.RolloutStats(reward=self.reward, num_tool_calls=self.num_tool_calls,
-                            num_tool_errors=self.num_tool_errors,
-                            num_answer_tags=self.answer_tags, num_turns=self.num_turns)
 
 
 def _turn_seed(seed: int, turn: int) -> int:

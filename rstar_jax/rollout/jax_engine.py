@@ -14,7 +14,7 @@ whose input extends that content (the same trajectory resuming after a tool call
 is placed there and prefills only the new tokens. If the slot was taken meanwhile,
 the request is prefilled from scratch elsewhere: correct either way.
 
-Parameters are read in place: `update_params(state)` swaps the reference the next
+Parameters are read in place: `update_weights(state)` swaps the reference the next
 step uses (the trainer's arrays, no copy, no export).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 
 from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.rollout import sampling
+from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,41 +50,6 @@ class EngineConfig:
       raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
                        f"positive (got {self.num_slots}, {self.max_len}, "
                        f"{self.min_prefill_bucket})")
-
-
-@dataclasses.dataclass(kw_only=True)
-class GenerationRequest:
-  input_ids: Sequence[int]
-  max_new_tokens: int
-  stop_token_ids: Sequence[int] = ()
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  seed: int = 0
-  request_id: str | None = None
-
-  def validate(self, max_len: int) -> None:
-    if len(self.input_ids) == 0:
-      raise ValueError(f"request {self.request_id}: empty input_ids")
-    if len(self.input_ids) >= max_len:
-      raise ValueError(f"request {self.request_id}: {len(self.input_ids)} input tokens do "
-                       f"not fit the engine's max_len={max_len}")
-    if self.max_new_tokens <= 0:
-      raise ValueError(f"request {self.request_id}: max_new_tokens must be positive")
-    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or self.top_k < 0:
-      raise ValueError(f"request {self.request_id}: bad sampling params "
-                       f"(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-  request_id: str | None
-  output_ids: list[int]
-  logprobs: list[float]
-  finish_reason: str           # "stop" (a stop token, included in output_ids) | "length"
-  prompt_tokens: int
-  reused_prefix_tokens: int
-  queue_wait_s: float
 
 
 @dataclasses.dataclass
@@ -141,7 +107,11 @@ class JaxEngine:
     self._t_start = time.perf_counter()
 
   # ---- Public API ------------------------------------------------------------
-  def update_params(self, state) -> None:
+  @property
+  def max_len(self) -> int:
+    return self.config.max_len
+
+  def update_weights(self, state) -> None:
     """Uses `state` (an nnx State of the same graph) from the next step on."""
     with self._lock:
       self.state = state

@@ -16,17 +16,10 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from rstar_jax.registry import Registry
-from rstar_jax.rollout.jax_engine import GenerationRequest, GenerationResult
-
-
-class EngineLike(Protocol):
-  name: str
-  async def generate(self, request: GenerationRequest) -> GenerationResult: ...
-  def free_kv_tokens(self) -> int: ...
-  def num_active(self) -> int: ...
+from rstar_jax.rollout.engine import Engine, GenerationRequest, GenerationResult
 
 
 Policy = Callable[[Sequence[Any], GenerationRequest], int]
@@ -62,7 +55,9 @@ def _least_active() -> Policy:
 class EnginePool:
   """An Engine (for the agent loop) that spreads requests over `engines`."""
 
-  def __init__(self, engines: Sequence[EngineLike], policy: str = "kv_capacity"):
+  name = "pool"
+
+  def __init__(self, engines: Sequence[Engine], policy: str = "kv_capacity"):
     if not engines:
       raise ValueError("EnginePool needs at least one engine")
     self.engines = list(engines)
@@ -84,6 +79,26 @@ class EnginePool:
     m["generated_tokens"] += len(out.output_ids)
     m["prefill_tokens"] += out.prompt_tokens - out.reused_prefix_tokens
     return out
+
+  def free_kv_tokens(self) -> int:
+    return sum(e.free_kv_tokens() for e in self.engines)
+
+  def num_active(self) -> int:
+    return sum(e.num_active() for e in self.engines)
+
+  @property
+  def max_len(self) -> int:
+    """The longest sequence (prompt + response) every engine of the pool can hold."""
+    return min(e.max_len for e in self.engines)
+
+  def update_weights(self, params) -> None:
+    """New policy parameters for every engine (in process: a reference, no copy)."""
+    for e in self.engines:
+      e.update_weights(params)
+
+  def stop(self) -> None:
+    for e in self.engines:
+      e.stop()
 
   def stats(self) -> dict[str, float]:
     elapsed = time.perf_counter() - self._t0

@@ -1,14 +1,59 @@
-"""Tool executors for the agent loop: the sandbox service over HTTP.
+"""`config.tools` -> the tool executor of the agent loop: the sandbox service over HTTP.
 
 The agent loop only needs `await execute(calls) -> [result mapping]`; results carry
-the sandbox's structured `status`, from which tool errors are counted.
+the sandbox's structured `status`, from which tool errors are counted. Executors are
+a registry keyed by `tools.backend`; `build_tools(cfg)` is the one place that makes
+one (and starts a local sandbox server when no URL is given).
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping, Sequence
+import contextlib
+import dataclasses
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
+from absl import logging
+
+from rstar_jax.registry import Registry
 from rstar_jax.rollout import chat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToolsConfig:
+  """Attributes:
+    backend: a registered tool backend ("sandbox").
+    urls: sandbox servers to use (the client rotates over them). Empty: start one
+      local server for the run (`python -m sandbox.server`) and stop it at the end.
+    local_max_children: concurrent calls of that local server.
+    timeout_s: wall-clock limit of one tool call.
+    max_concurrency: calls in flight from this process.
+    batch_size: calls per HTTP request.
+  """
+  backend: str = "sandbox"
+  urls: tuple[str, ...] = ()
+  local_max_children: int = 8
+  timeout_s: float = 10.0
+  max_concurrency: int = 64
+  batch_size: int = 16
+
+  def __post_init__(self):
+    TOOL_BACKENDS.lookup(self.backend)
+    if not self.timeout_s > 0:
+      raise ValueError(f"ToolsConfig.timeout_s must be > 0, got {self.timeout_s}")
+    for name in ("local_max_children", "max_concurrency", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ToolsConfig.{name} must be >= 1, got {getattr(self, name)}")
+    bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+    if bad:
+      raise ValueError(f"ToolsConfig.urls: not http(s) URLs: {bad}")
+
+
+TOOL_BACKENDS: Registry = Registry("tool backend")
+
+
+def build_tools(cfg: ToolsConfig) -> ContextManager[Any]:
+  """`with build_tools(cfg) as tools:` the executor of `cfg.backend`, closed at exit."""
+  return TOOL_BACKENDS.lookup(cfg.backend)(cfg)
 
 
 class SandboxTools:
@@ -52,3 +97,17 @@ class SandboxTools:
     for c in self._clients.values():
       await c.close()
     self._clients = {}
+
+
+@TOOL_BACKENDS.register("sandbox")
+@contextlib.contextmanager
+def _sandbox(cfg: ToolsConfig) -> Iterator[SandboxTools]:
+  kw = dict(timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
+            batch_size=cfg.batch_size)
+  if cfg.urls:
+    yield SandboxTools(list(cfg.urls), **kw)
+    return
+  from sandbox.launcher import running_server
+  with running_server(max_children=cfg.local_max_children) as url:
+    logging.info("started a local sandbox server at %s", url)
+    yield SandboxTools([url], **kw)

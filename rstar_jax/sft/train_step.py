@@ -12,8 +12,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from rstar_jax.model import sharding
-from rstar_jax.rl import train_step as ts
+from rstar_jax import sharding
+from rstar_jax.train import step as ts
 
 SFT_KEYS = ("input_ids", "target_ids", "segment_ids", "positions", "loss_mask")
 
@@ -45,17 +45,9 @@ def make_sft_step(graphdef, tx, step_cfg: ts.StepConfig, mesh=None,
 
 def make_eval_fn(graphdef, step_cfg: ts.StepConfig, mesh=None, rules=sharding.DEFAULT_RULES):
   """(params, batch) -> (summed NLL, loss tokens): held-out loss without an update."""
-  @jax.jit
   def fn(params, batch):
     micro = ts.split_micro(batch, step_cfg.micro_batches)
     sums = jax.lax.map(lambda mb: _nll_sum(graphdef, params, mb, step_cfg.logprob_chunk),
                        micro)
     return sums.sum(), batch["loss_mask"].sum()
-
-  def run(params, batch):
-    if mesh is not None:
-      batch = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim, rules))
-               for k, v in batch.items()}
-    with sharding.use_mesh_rules(mesh, rules):
-      return fn(params, batch)
-  return run
+  return ts.jit_eval(fn, mesh, rules)

@@ -14,38 +14,71 @@ import numpy as np
 from rstar_jax import checkpoint as ckpt_lib
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
-from rstar_jax.rl import train_step as ts
+from rstar_jax import sharding
 from rstar_jax.sft import packing
 from rstar_jax.sft import train_step as sft_ts
+from rstar_jax.train import interrupt
+from rstar_jax.train import step as ts
+
+
+def _sft_optimizer() -> optim.OptimizerConfig:
+  return optim.OptimizerConfig(learning_rate=5e-6, warmup_steps=10, schedule="warmup_cosine",
+                               weight_decay=0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-  seed: int = 0
+  """Attributes:
+    epochs: passes over the packed rows (fractions allowed).
+    seq_len / rows_per_step: packed row length and rows per update.
+    heldout_share: the first share of the conversations is held out (held-out NLL).
+    eval_every / checkpoint_every / keep_checkpoints: held-out loss and orbax cadence.
+    optimizer: AdamW + schedule; "warmup_cosine" decays to the last step.
+    step: micro-batching and log-prob chunking of the update.
+  """
   epochs: float = 3.0
   seq_len: int = 1024
   rows_per_step: int = 8
+  heldout_share: float = 0.05
   eval_every: int = 50
   checkpoint_every: int = 200
   keep_checkpoints: int = 2
+  optimizer: optim.OptimizerConfig = dataclasses.field(default_factory=_sft_optimizer)
+  step: ts.StepConfig = dataclasses.field(default_factory=ts.StepConfig)
 
   def __post_init__(self):
     if self.epochs <= 0 or self.seq_len <= 1 or self.rows_per_step <= 0:
-      raise ValueError("SFTConfig: epochs, seq_len, rows_per_step must be positive")
-    if self.eval_every <= 0 or self.checkpoint_every <= 0:
-      raise ValueError("SFTConfig: eval_every and checkpoint_every must be positive")
+      raise ValueError("SFTConfig: epochs, seq_len, rows_per_step must be positive (got "
+                       f"{self.epochs}, {self.seq_len}, {self.rows_per_step})")
+    if self.eval_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
+      raise ValueError("SFTConfig: eval_every, checkpoint_every, keep_checkpoints must be "
+                       "positive")
+    if not 0 <= self.heldout_share < 1:
+      raise ValueError(f"SFTConfig.heldout_share must be in [0, 1), got {self.heldout_share}")
 
 
 def num_steps(cfg: SFTConfig, num_rows: int) -> int:
   return max(1, math.ceil(cfg.epochs * max(num_rows // cfg.rows_per_step, 1)))
 
 
+def split_heldout(pairs: Sequence, share: float) -> tuple[list, list]:
+  """(train, heldout): the first `share` of the conversations (at least one) held out."""
+  if share <= 0:
+    return list(pairs), []
+  n_held = max(1, int(len(pairs) * share))
+  return list(pairs[n_held:]), list(pairs[:n_held])
+
+
 class SFTTrainer:
-  def __init__(self, cfg: SFTConfig, opt_cfg: optim.OptimizerConfig, step_cfg: ts.StepConfig,
-               model, train: Sequence[tuple[list[int], list[int]]],
-               heldout: Sequence[tuple[list[int], list[int]]], workdir: str, *, pad_id: int = 0,
-               mesh=None):
-    self.cfg, self.step_cfg, self.workdir, self.mesh = cfg, step_cfg, workdir, mesh
+  """Packs `pairs` ((ids, loss_mask) per conversation) and trains on them."""
+
+  def __init__(self, cfg: SFTConfig, model, pairs: Sequence[tuple[list[int], list[int]]],
+               workdir: str, *, seed: int = 0, pad_id: int = 0, mesh=None,
+               rules=sharding.DEFAULT_RULES):
+    self.cfg, self.step_cfg, self.workdir, self.mesh = cfg, cfg.step, workdir, mesh
+    self.seed = seed
+    train, heldout = split_heldout(pairs, cfg.heldout_share)
+    step_cfg, opt_cfg = cfg.step, cfg.optimizer
     self.rows, pack_stats = packing.pack(train, cfg.seq_len, pad_id=pad_id)
     self.heldout, _ = packing.pack(heldout, cfg.seq_len, pad_id=pad_id) if heldout else (None, None)
     logging.info("SFT packing: %s", pack_stats)
@@ -61,10 +94,11 @@ class SFTTrainer:
                                                              opt_cfg.warmup_steps + 1))
     self.opt_cfg = opt_cfg
     self.tx = optim.make_optimizer(opt_cfg)
-    self.graphdef, self.state, self.shardings = ts.init_train_state(model, self.tx, mesh)
+    self.graphdef, self.state, self.shardings = ts.init_train_state(model, self.tx, mesh,
+                                                                    rules)
     self.step_fn = sft_ts.make_sft_step(self.graphdef, self.tx, step_cfg, mesh=mesh,
-                                        state_shardings=self.shardings)
-    self.eval_fn = sft_ts.make_eval_fn(self.graphdef, step_cfg, mesh=mesh)
+                                        rules=rules, state_shardings=self.shardings)
+    self.eval_fn = sft_ts.make_eval_fn(self.graphdef, step_cfg, mesh=mesh, rules=rules)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       max_to_keep=cfg.keep_checkpoints)
     self.writer = metrics_lib.MetricsWriter(workdir, "sft")
@@ -75,15 +109,14 @@ class SFTTrainer:
     n = len(self.rows["input_ids"])
     per_epoch = n // self.cfg.rows_per_step
     epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+    order = np.random.default_rng([self.seed, epoch]).permutation(n)
     return order[k * self.cfg.rows_per_step:(k + 1) * self.cfg.rows_per_step]
 
   def heldout_loss(self) -> float | None:
     if self.heldout is None:
       return None
     n = len(self.heldout["input_ids"])
-    mult = self.step_cfg.micro_batches * (1 if self.mesh is None else
-                                          self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+    mult = ts.batch_multiple(self.step_cfg.micro_batches, self.mesh)
     pad = (-n) % mult
     batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
              for k, v in self.heldout.items()}
@@ -100,12 +133,12 @@ class SFTTrainer:
     return True
 
   def run(self, progress: bool = True, on_step=None) -> list[dict[str, float]]:
-    """Trains to the end; `on_step(step, metrics)` after every step (e.g. probes)."""
+    """Trains to the end; `on_step(step, metrics)` after every step (e.g. probes).
+    On SIGINT / SIGTERM: finishes the step, saves, raises `interrupt.Interrupted`."""
     from tqdm import tqdm
-    bar = tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
-               disable=not progress)
     history = []
-    try:
+    with tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
+              disable=not progress) as bar, interrupt.StopRequests() as stop:
       while self.step < self.total_steps:
         idx = self._batch_indices(self.step)
         batch = {k: v[idx] for k, v in self.rows.items()}
@@ -123,13 +156,16 @@ class SFTTrainer:
         bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
         if on_step is not None:
           on_step(self.step, m)
-        if self.step % self.cfg.checkpoint_every == 0:
-          self.ckpt.save(self.step, self.state, {"step": self.step})
-    finally:
-      bar.close()
+        if self.step % self.cfg.checkpoint_every == 0 or stop.requested:
+          self.save()
+        if stop.requested and self.step < self.total_steps:
+          raise interrupt.Interrupted(stop.signum, self.step)
+    self.save()
+    return history
+
+  def save(self) -> None:
     if self.ckpt.latest_step() != self.step:
       self.ckpt.save(self.step, self.state, {"step": self.step})
-    return history
 
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)

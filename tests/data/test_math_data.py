@@ -1,4 +1,5 @@
 """Tests for rstar_jax.data.math_data: layouts, malformed rows, filters, iteration, SFT rows."""
+import gzip
 import json
 
 import pyarrow as pa
@@ -122,6 +123,53 @@ def test_parquet_error_names_row(tmp_path):
   pq.write_table(pa.Table.from_pylist(rows), path)
   with pytest.raises(md.DataError, match=r"t\.parquet, row 2, field 'answer': empty answer"):
     md.load_math_problems(path)
+
+
+def _write_empty(path, kind):
+  """Writes a file of `kind` that holds no rows."""
+  if kind == "zero bytes":
+    path.write_bytes(b"")
+  elif kind == "blank lines":
+    text = "\n  \n\t\n"
+    if path.name.endswith(".gz"):
+      with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(text)
+    else:
+      path.write_text(text)
+  elif kind == "empty array":
+    path.write_text("[]\n")
+  elif kind == "empty data array":
+    path.write_text('{"data": []}')
+  elif kind == "zero-row table":
+    pq.write_table(pa.table({"problem": pa.array([], pa.string()),
+                             "answer": pa.array([], pa.string())}), path)
+  return path
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("e.jsonl", "zero bytes"), ("e.jsonl", "blank lines"),
+    ("e.jsonl.gz", "zero bytes"), ("e.jsonl.gz", "blank lines"),
+    ("e.json", "zero bytes"), ("e.json", "blank lines"), ("e.json", "empty array"),
+    ("e.json", "empty data array"),
+    ("e.parquet", "zero bytes"), ("e.parquet", "zero-row table"),
+])
+@pytest.mark.parametrize("load", [md.load_math_problems, md.load_sft_examples])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_empty_file_is_an_error_naming_it(tmp_path, name, kind, load, on_error):
+  path = _write_empty(tmp_path / name, kind)
+  with pytest.raises(md.DataError, match="no rows: the file is empty or holds only blank lines"
+                     ) as info:
+    load(path, on_error=on_error)
+  assert str(path) in str(info.value) and info.value.path == str(path)
+  assert info.value.row_error is None
+
+
+def test_empty_file_among_good_ones_is_named(tmp_path):
+  good = _write_jsonl(tmp_path / "good.jsonl", [{"problem": "p", "answer": "1"}])
+  empty = _write_empty(tmp_path / "empty.jsonl", "blank lines")
+  with pytest.raises(md.DataError, match=r"empty\.jsonl: no rows"):
+    md.load_math_problems([good, empty])
+  assert len(md.load_math_problems([good, good]).items) == 2
 
 
 def test_skip_mode_counts_and_reports(tmp_path):

@@ -43,11 +43,14 @@ def test_evaluate_on_scripted_engine():
                                     source="toy") for i, p in enumerate(toy)]
   engine = ScriptedEngine(tok, proto, problems, lambda p: proto.prompt_ids(p.problem))
   cfg = agent_loop.AgentConfig(max_turns=2, max_response_tokens=64, temperature=0.8)
-  report, trajs = evaluate.evaluate(engine, NoTools(), proto, tok, problems, k=4,
-                                    agent_cfg=cfg, progress=False, dataset="scripted")
+  report, trajs = evaluate.evaluate(engine, NoTools(), proto, tok, problems,
+                                    evaluate.EvalConfig(k=4, agent=cfg), stream=(0,),
+                                    progress=False, dataset="scripted", model_source="x", seed=3)
   # Problem i has exactly one correct sample among j = 0..3: pass@1 = 1/4, pass@4 = 1.
   assert abs(report.pass_at_1 - 0.25) < 1e-9
   assert abs(report.pass_at_k[4] - 1.0) < 1e-9
   assert report.temperature == 0.8 and "temperature 0.8" in report.to_table()
   assert report.share_truncated == 0 and report.tool_calls_per_trajectory == 0
   assert all(t.finish_reason == "stop" for t in trajs)
+  assert (report.model_source, report.seed) == ("x", 3)   # provenance in the result file
+  assert report.from_json(report.to_json()).model_source == "x"

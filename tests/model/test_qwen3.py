@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rstar_jax.model import hf_io, qwen3, sharding
+from rstar_jax import sharding
+from rstar_jax.model import hf_io, qwen3
 from rstar_jax.model.config import Qwen3Config, get_preset
 
 CFG = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from rstar_jax import optim
-from rstar_jax.model import qwen3, sharding
+from rstar_jax import sharding
+from rstar_jax.model import qwen3
 from rstar_jax.model.config import Qwen3Config
 from rstar_jax.rl import batching, losses, train_step as ts
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from absl import logging
 import jax
@@ -177,3 +178,77 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
   """Sharding of a [batch, ...] input array: batch over data (and fsdp)."""
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def place_batch(batch: Mapping[str, Any], mesh: Mesh | None, rules=DEFAULT_RULES
+                ) -> dict[str, Any]:
+  """Puts every [batch, ...] array of `batch` on the mesh (rows over data x fsdp);
+  without a mesh, returns the arrays as they are."""
+  if mesh is None:
+    return dict(batch)
+  return {k: jax.device_put(v, batch_sharding(mesh, np.ndim(v), rules))
+          for k, v in batch.items()}
+
+
+def shard_model(model, mesh: Mesh | None, rules=DEFAULT_RULES):
+  """The model with every parameter placed by its logical axes (unchanged without a mesh)."""
+  if mesh is None:
+    return model
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh, rules)))
+
+
+# ---- config.mesh ------------------------------------------------------------------------
+def _rule_text(mesh_axes) -> str:
+  if mesh_axes is None:
+    return ""
+  return mesh_axes if isinstance(mesh_axes, str) else ",".join(mesh_axes)
+
+
+def _rule_value(text: str):
+  axes = tuple(a.strip() for a in text.split(",") if a.strip())
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """`config.mesh`: the (data, fsdp, tensor) device mesh and the logical-axis rules.
+
+  Attributes:
+    enabled: False runs on one device without a mesh (the CPU default).
+    data, fsdp, tensor: axis sizes; one of them may be -1 (all remaining devices).
+    rules: logical axis -> mesh axes as text ("" replicated, "tensor", "data,fsdp").
+      Entries given here replace those of DEFAULT_RULES; the rest keep theirs.
+  """
+  enabled: bool = False
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+  rules: Mapping[str, str] = dataclasses.field(
+      default_factory=lambda: {name: _rule_text(a) for name, a in DEFAULT_RULES})
+
+  def __post_init__(self):
+    known = dict(DEFAULT_RULES)
+    unknown = sorted(set(self.rules) - set(known))
+    if unknown:
+      raise ValueError(f"MeshConfig.rules: unknown logical axes {unknown}; known: "
+                       f"{sorted(known)}")
+    for name, text in self.rules.items():
+      if not isinstance(text, str):
+        raise ValueError(f"MeshConfig.rules.{name} must be a string of mesh axes "
+                         f"(e.g. 'fsdp' or 'data,fsdp' or '' to replicate), got {text!r}")
+      bad = [a for a in text.replace(" ", "").split(",") if a and a not in MESH_AXES]
+      if bad:
+        raise ValueError(f"MeshConfig.rules.{name}={text!r}: unknown mesh axes {bad}; "
+                         f"axes are {MESH_AXES}")
+
+  def logical_rules(self) -> tuple[tuple[str, Any], ...]:
+    table = dict(DEFAULT_RULES)
+    table.update({name: _rule_value(text) for name, text in self.rules.items()})
+    return tuple(table.items())
+
+  def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    if not self.enabled:
+      return None
+    return make_mesh({"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}, devices)

@@ -1,0 +1,176 @@
+"""Final-answer parsing, shared by rewards (rl/), data filters (data/) and rollouts.
+
+The answer is the LAST `\\boxed{}` inside the last `<answer>...</answer>` block (the whole
+response when there is no `<answer>` tag); `normalize_answer` / `parse_integer` are the light
+normalisation the strict integer comparison uses. SPEC.md sections 3-4; the reward itself
+(integer or math-verify comparison) is `rstar_jax.rl.rewards`.
+"""
+from __future__ import annotations
+
+import re
+
+ANSWER_OPEN = "<answer>"
+ANSWER_CLOSE = "</answer>"
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_INT_RE = re.compile(r"[+-]?\d+")
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+_TEXT_WRAP_RE = re.compile(
+    r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox|rm|bf)\s*\{([^{}]*)\}")
+# "x = 5", "n=12", "a_1 = 3", "a_{10} = 3": a named single value.
+_ASSIGN_PREFIX_RE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
+
+
+def _match_brace(text: str, open_pos: int) -> int | None:
+  """Index of the `}` closing the `{` at `open_pos`, or None when unbalanced.
+
+  `\\{` and `\\}` are literal braces in LaTeX (set notation), so they do not nest.
+  """
+  depth = 0
+  i = open_pos
+  while i < len(text):
+    c = text[i]
+    if c == "\\":
+      i += 2
+      continue
+    if c == "{":
+      depth += 1
+    elif c == "}":
+      depth -= 1
+      if depth == 0:
+        return i
+    i += 1
+  return None
+
+
+def extract_boxed(text: str) -> str | None:
+  """Content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`) in `text`.
+
+  Returns None when there is no `\\boxed`, or when the last one is malformed (unbalanced
+  braces, e.g. a truncated answer): an earlier boxed value is NOT used instead, since the
+  model's final word was something else.
+  """
+  if not isinstance(text, str):
+    raise TypeError(f"extract_boxed expects a str, got {type(text).__name__}")
+  matches = list(_BOXED_RE.finditer(text))
+  if not matches:
+    return None
+  pos = matches[-1].end()
+  while pos < len(text) and text[pos].isspace():
+    pos += 1
+  if pos >= len(text):
+    return None
+  if text[pos] == "{":
+    end = _match_brace(text, pos)
+    if end is None:
+      return None
+    return text[pos + 1:end].strip()
+  # `\boxed 5`: TeX takes one token; take the run up to whitespace or a math delimiter.
+  m = re.match(r"[^\s$]+", text[pos:])
+  return m.group(0) if m else None
+
+
+def final_answer(response_text: str) -> str | None:
+  """The boxed final answer of a response, or None.
+
+  With an `<answer>` tag, only the last `<answer>` block counts (up to `</answer>` or the
+  end of the text when unclosed); without one, the whole response.
+  """
+  if not isinstance(response_text, str):
+    raise TypeError(f"final_answer expects a str, got {type(response_text).__name__}")
+  start = response_text.rfind(ANSWER_OPEN)
+  if start < 0:
+    return extract_boxed(response_text)
+  start += len(ANSWER_OPEN)
+  end = response_text.find(ANSWER_CLOSE, start)
+  segment = response_text[start:] if end < 0 else response_text[start:end]
+  return extract_boxed(segment)
+
+
+def _unwrap_boxed(s: str) -> str:
+  s = s.strip()
+  while True:
+    m = _BOXED_RE.match(s)
+    if not m:
+      return s
+    inner_start = m.end()
+    while inner_start < len(s) and s[inner_start].isspace():
+      inner_start += 1
+    if inner_start >= len(s) or s[inner_start] != "{":
+      return s
+    end = _match_brace(s, inner_start)
+    if end is None or s[end + 1:].strip():
+      return s
+    s = s[inner_start + 1:end].strip()
+
+
+def strip_enclosing_braces(s: str) -> str:
+  """Removes redundant `{...}` groups around the whole of `s`: `{{204}}` -> `204`.
+
+  Only a `{` at position 0 whose matching `}` is the last character is removed, so
+  `\\{1,2\\}` (a set: escaped braces), `\\frac{1}{2}` and `{1}{2}` are left alone.
+  """
+  s = s.strip()
+  while s.startswith("{") and _match_brace(s, 0) == len(s) - 1:
+    s = s[1:-1].strip()
+  return s
+
+
+def normalize_answer(answer: str) -> str:
+  """Light, conservative string normalisation used for the integer comparison.
+
+  Removes: math delimiters (`$`, `\\(`, `\\)`, `\\[`, `\\]`), an enclosing `\\boxed{}`,
+  `\\left`/`\\right`, LaTeX spacing (`\\!`, `\\,`, `\\;`, `\\:`, `\\ `, `~`), text/roman
+  wrappers, degree signs, all whitespace, a trailing period, a leading `x =`, redundant
+  braces around the whole answer (`{{204}}` -> `204`, see `strip_enclosing_braces`); turns
+  `\\dfrac`/`\\tfrac` into `\\frac` and `{,}` into `,`; strips thousands separators from a
+  number whose comma groups are all of three digits ("1,234" -> "1234", but "1,23" stays).
+  """
+  s = answer.replace("$", "").replace("\u2212", "-")  # Unicode minus sign.
+  for tok in ("\\(", "\\)", "\\[", "\\]"):
+    s = s.replace(tok, "")
+  s = _unwrap_boxed(s)
+  s = s.replace("{,}", ",")
+  s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+  s = re.sub(r"\\[!,;:> ]", "", s).replace("~", "")
+  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+  prev = None
+  while prev != s:  # nested wrappers: \text{\textbf{5}}
+    prev = s
+    s = _TEXT_WRAP_RE.sub(r"\1", s)
+  s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s).replace("°", "")
+  s = re.sub(r"\s+", "", s)
+  s = s.rstrip(".")
+  s = strip_enclosing_braces(s)
+  s = _ASSIGN_PREFIX_RE.sub("", s)
+  s = strip_enclosing_braces(s)  # "x={5}"
+  if _THOUSANDS_RE.fullmatch(s):
+    s = s.replace(",", "")
+  return s
+
+
+def parse_integer(answer: str) -> int | None:
+  """The integer an answer states literally (after `normalize_answer`), else None."""
+  s = normalize_answer(answer)
+  if _INT_RE.fullmatch(s):
+    return int(s)
+  return None
+
+
+
+
+def count_answer_tags(text: str) -> int:
+  """Complete `<answer>...</answer>` blocks in text the model wrote (not tool output).
+
+  An unmatched opening tag does not count: a rollout that never closed its answer is
+  treated as having one answer fewer.
+  """
+  count, pos = 0, 0
+  while True:
+    start = text.find(ANSWER_OPEN, pos)
+    if start < 0:
+      return count
+    end = text.find(ANSWER_CLOSE, start + len(ANSWER_OPEN))
+    if end < 0:
+      return count
+    count += 1
+    pos = end + len(ANSWER_CLOSE)

@@ -1,0 +1,87 @@
+"""Sample k trajectories per problem, score them, report: the one rollout collector.
+
+RL steps, the stage-3 hard-subset filter and evaluation all call `collect`, so they
+share the uid scheme ('<problem uid>#<j>'), the reward, the seed scheme and the
+metrics. Seeds: trajectory i of a call gets `SeedSequence([*stream, i])`, where the
+caller's `stream` names the run: (seed, step) for an RL step, (seed, EVAL, salt) for
+an evaluation. The same stream always gives the same rollouts.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from rstar_jax.data import math_data
+from rstar_jax.rl import batching, rewards, roc
+from rstar_jax.rollout import agent_loop, chat, stats
+
+EVAL = 0x5EED   # stream tag of evaluation-style runs (eval, hard-subset filter)
+
+
+def trajectory_seeds(stream: Sequence[int], n: int) -> list[int]:
+  return [int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in (*stream, i)])
+              .generate_state(1)[0] % (2 ** 31 - 1)) for i in range(n)]
+
+
+def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
+            problems: Sequence[math_data.MathProblem], *, k: int,
+            agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
+            desc: str = "rollouts") -> list[list[agent_loop.Trajectory]]:
+  """k scored trajectories per problem, grouped by problem (in order)."""
+  items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=len(items), desc=desc, unit="traj")
+  try:
+    trajs = asyncio.run(agent_loop.run_many(
+        engine, tools, proto, items, agent, seeds=trajectory_seeds(stream, len(items)),
+        progress=(lambda _: bar.update(1)) if bar is not None else None))
+  finally:
+    if bar is not None:
+      bar.close()
+  groups = []
+  for i, p in enumerate(problems):
+    group = trajs[i * k:(i + 1) * k]
+    for t in group:
+      t.reward = rewards.compute_reward(t.model_text(tokenizer), p.answer,
+                                        truncated=t.truncated)
+      t.meta["problem_uid"] = p.uid
+    groups.append(group)
+  return groups
+
+
+def metrics(trajs: Sequence[agent_loop.Trajectory], prefix: str = "rollout/"
+            ) -> dict[str, float]:
+  """Per-step rollout metrics (rates without any call to count are logged as 0)."""
+  n = max(len(trajs), 1)
+  out = {"reward_mean": sum(t.reward or 0.0 for t in trajs) / n}
+  tool = stats.tool_stats(trajs)
+  out.update({k: (v if v is not None else 0.0) for k, v in tool.items()
+              if k in ("tool_calls_per_traj", "tool_error_rate", "tool_error_rate_correct")})
+  out.update({
+      "no_tool_share": tool["no_tool_share"],
+      "truncated_share": sum(t.truncated for t in trajs) / n,
+      "model_tokens_mean": sum(t.model_tokens for t in trajs) / n,
+      "response_tokens_mean": sum(len(t.response_ids) for t in trajs) / n,
+      "turns_mean": sum(t.num_turns for t in trajs) / n,
+  })
+  return {prefix + k: v for k, v in out.items()}
+
+
+def rollout_stats(t: agent_loop.Trajectory) -> roc.RolloutStats:
+  """What RoC reads of a scored trajectory."""
+  if t.reward is None:
+    raise ValueError(f"trajectory {t.uid}: reward not set")
+  return roc.RolloutStats(reward=t.reward, num_tool_calls=t.num_tool_calls,
+                          num_tool_errors=t.num_tool_errors,
+                          num_answer_tags=t.answer_tags, num_turns=t.num_turns)
+
+
+def token_trajectory(t: agent_loop.Trajectory) -> batching.TokenTrajectory:
+  """The ids, mask and sampler log-probs the RL batch is built from."""
+  return batching.TokenTrajectory(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                                  response_mask=t.response_mask,
+                                  response_logprobs=t.response_logprobs)

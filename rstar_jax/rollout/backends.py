@@ -1,0 +1,81 @@
+"""`config.rollout` -> an engine pool: the rollout backends, chosen by name.
+
+The trainer, the evaluation runner and the recipe receive the pool and never build
+an engine themselves. A backend is a function `(RolloutConfig, model) -> [Engine]`
+registered under its `rollout.backend` name: `jax` (in-process JaxEngines reading the
+trainer's parameters), `sglang` (SGLang 0.5.23 servers at `rollout.servers`) and
+`server` (our own JAX rollout servers, `python -m rstar_jax.rollout.server`, same API).
+HTTP engines take new weights from disk (`sglang_engine.update_weights_from_disk`),
+not through `pool.update_weights(params)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from rstar_jax.registry import Registry
+from rstar_jax.rollout import scheduler
+from rstar_jax.rollout.engine import Engine
+from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
+
+Backend = Callable[["RolloutConfig", object], Sequence[Engine]]
+BACKENDS: Registry = Registry("rollout backend")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """Attributes:
+    backend: a registered backend name ("jax").
+    num_engines: engines behind the scheduler.
+    scheduler_policy: how requests are spread over the engines (see scheduler.POLICIES).
+    engine: the JaxEngine's KV slots and cache length (jax backend).
+    servers: base URLs of the rollout servers (sglang and server backends), e.g.
+      ("http://node1:30000", "http://node2:30000"); one engine per URL.
+  """
+  backend: str = "jax"
+  num_engines: int = 1
+  scheduler_policy: str = "kv_capacity"
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  servers: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    BACKENDS.lookup(self.backend)            # raises naming the known backends
+    scheduler.POLICIES.lookup(self.scheduler_policy)
+    if self.num_engines < 1:
+      raise ValueError(f"RolloutConfig.num_engines must be >= 1, got {self.num_engines}")
+    if self.backend in _HTTP_BACKENDS and not self.servers:
+      raise ValueError(f"RolloutConfig.servers is empty: rollout.backend={self.backend!r} "
+                       f"generates on servers given by URL; set rollout.servers to their base "
+                       f"URLs (e.g. 'http://host:30000')")
+    bad = [u for u in self.servers if not u.startswith(("http://", "https://"))]
+    if bad:
+      raise ValueError(f"RolloutConfig.servers: not http(s) URLs: {bad}")
+
+
+@BACKENDS.register("jax")
+def _jax_engines(cfg: RolloutConfig, model) -> list[Engine]:
+  if model is None:
+    raise ValueError("rollout.backend='jax' generates with the trainer's model; none given")
+  return [JaxEngine(model, cfg.engine, name=f"jax{i}") for i in range(cfg.num_engines)]
+
+
+_HTTP_BACKENDS = ("sglang", "server")
+
+
+@BACKENDS.register("sglang")
+@BACKENDS.register("server")
+def _http_engines(cfg: RolloutConfig, model) -> list[Engine]:
+  """One SGLangEngine per URL in `cfg.servers`, failing over to each other. The model
+  is not used to generate; when given, the servers' model is checked against it."""
+  from rstar_jax.model import hf_io
+  from rstar_jax.rollout import sglang_engine
+  expected = None
+  if model is not None and hasattr(model, "cfg"):
+    expected = hf_io.config_to_hf_dict(model.cfg, model.cfg.param_dtype)
+  return sglang_engine.connect(cfg.servers, expected_model=expected)
+
+
+def build_engine_pool(cfg: RolloutConfig, model=None) -> scheduler.EnginePool:
+  """The engines of `cfg.backend` behind one scheduler. Stop it with `pool.stop()`."""
+  engines = BACKENDS.lookup(cfg.backend)(cfg, model)
+  return scheduler.EnginePool(engines, policy=cfg.scheduler_policy)

@@ -1,0 +1,63 @@
+"""What an engine is: the request / result types and the protocol every backend speaks.
+
+The agent loop, the scheduler and the trainers see engines only through `Engine`:
+the in-process JaxEngine today, SGLang or our own rollout servers over HTTP next.
+Requests are token-in / token-out: ids in, sampled ids and their log-probs out.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationRequest:
+  input_ids: Sequence[int]
+  max_new_tokens: int
+  stop_token_ids: Sequence[int] = ()
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+  request_id: str | None = None
+
+  def validate(self, max_len: int) -> None:
+    if len(self.input_ids) == 0:
+      raise ValueError(f"request {self.request_id}: empty input_ids")
+    if len(self.input_ids) >= max_len:
+      raise ValueError(f"request {self.request_id}: {len(self.input_ids)} input tokens do "
+                       f"not fit the engine's max_len={max_len}")
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"request {self.request_id}: max_new_tokens must be positive")
+    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or self.top_k < 0:
+      raise ValueError(f"request {self.request_id}: bad sampling params "
+                       f"(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  request_id: str | None
+  output_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str           # "stop" (a stop token, included in output_ids) | "length"
+  prompt_tokens: int
+  reused_prefix_tokens: int
+  queue_wait_s: float
+
+
+
+class Engine(Protocol):
+  """One generation backend (or a pool of them: `EnginePool` speaks this too)."""
+  name: str
+  max_len: int   # the longest prompt + response it holds
+
+  async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+  def free_kv_tokens(self) -> int: ...
+
+  def num_active(self) -> int: ...
+
+  def update_weights(self, params) -> None:
+    """Generate with these policy parameters from the next request on."""
+
+  def stop(self) -> None: ...

@@ -1,0 +1,172 @@
+"""The update core that SFT and RL share: train state, micro-batching, one jitted step.
+
+Pure function at the jit boundary: `(TrainState, batch) -> (TrainState, metrics)`,
+where TrainState holds plain pytrees (the model's `nnx.Param` state and the optax
+state). Micro-batches run under `lax.scan`, each normalised by FULL-batch constants
+by the caller's loss, so splitting a batch never changes the loss or the gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rstar_jax import sharding
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  params: Any      # nnx.State of nnx.Param
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+  """Attributes:
+    micro_batches: gradient-accumulation steps per update (a lax.scan).
+    logprob_chunk: positions whose logits exist at once (chunked log-probs).
+    compute_entropy: also return the policy's token entropy (RL metrics).
+  """
+  micro_batches: int = 1
+  logprob_chunk: int = 512
+  compute_entropy: bool = True
+
+  def __post_init__(self):
+    if self.micro_batches <= 0 or self.logprob_chunk <= 0:
+      raise ValueError(f"StepConfig: micro_batches and logprob_chunk must be > 0 "
+                       f"(got {self.micro_batches}, {self.logprob_chunk})")
+
+
+def opt_state_shardings(abstract_opt_state, param_shardings, mesh):
+  """Optimizer-state shardings: each moment leaf takes its parameter's sharding.
+
+  optax moments (mu, nu) are trees of the params' structure nested in optax
+  containers; a leaf's key path therefore ends with its parameter's key path.
+  Scalars (counts) are replicated.
+  """
+  by_key = {jax.tree_util.keystr(p): s
+            for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+  replicated = NamedSharding(mesh, P())
+
+  def one(path, x):
+    ks = jax.tree_util.keystr(path)
+    match = max((k for k in by_key if ks.endswith(k)), key=len, default=None)
+    if match is not None:
+      return by_key[match]
+    return replicated
+  return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+def state_shardings_for(params, tx, mesh, rules=sharding.DEFAULT_RULES) -> TrainState:
+  p_shard = sharding.state_shardings(params, mesh, rules)
+  o_shard = opt_state_shardings(jax.eval_shape(tx.init, params), p_shard, mesh)
+  return TrainState(NamedSharding(mesh, P()), p_shard, o_shard)
+
+
+def init_train_state(model, tx: optax.GradientTransformation, mesh=None,
+                     rules=sharding.DEFAULT_RULES):
+  """Splits the model and creates the optimizer state.
+
+  Returns (graphdef, TrainState, shardings), where `shardings` is a TrainState of
+  NamedShardings (None without a mesh): params by their logical axes, optimizer
+  moments like their params.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError("model has non-Param state; the train step expects Params only")
+  if mesh is None:
+    opt_state = jax.jit(tx.init)(params)
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, opt_state), None
+  shardings = state_shardings_for(params, tx, mesh, rules)
+  params = jax.device_put(params, shardings.params)
+  opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+  return graphdef, TrainState(step, params, opt_state), shardings
+
+
+def split_micro(batch: Mapping[str, jax.Array], n: int) -> dict[str, jax.Array]:
+  """[N, ...] -> [n, N/n, ...], micro-batch i = rows i, i+n, i+2n, ... (strided).
+
+  Strided, not contiguous: the batch is sharded over (data, fsdp) in contiguous row
+  blocks, so every micro-batch then has rows on every shard and nothing moves
+  between devices (a contiguous split put each micro-batch on a few shards only).
+  """
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+  return {k: split(v) for k, v in batch.items()}
+
+
+def sum_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array]
+                ) -> dict[str, jax.Array]:
+  if acc is None:
+    return dict(new)
+  return {k: acc[k] + v for k, v in new.items()}
+
+
+def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
+                          micro: dict[str, jax.Array], micro_loss,
+                          combine_metrics: Callable = sum_metrics
+                          ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Sums loss, gradient and metrics of `micro_loss(params, mb)` over the leading
+  micro-batch axis of `micro` (lax.scan: one micro-batch's activations live at a
+  time), then applies one optimizer update. `micro_loss` must already be normalised
+  by full-batch constants, so the sums are the full-batch values; `combine_metrics`
+  merges one micro-batch's metrics into the running total (sum by default)."""
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def body(carry, mb):
+    g_acc, m_acc, l_acc = carry
+    (loss, metrics), grads = grad_fn(state.params, mb)
+    g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
+    m_acc = combine_metrics(m_acc, metrics)
+    return (g_acc, m_acc, l_acc + loss), None
+
+  # Accumulate in fp32 even with bf16 parameters; cast back for the update.
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+  first_mb = jax.tree.map(lambda x: x[0], micro)
+  m_zero = jax.tree.map(jnp.zeros_like,
+                        jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
+  (grads, metrics, loss), _ = jax.lax.scan(body, (zeros, m_zero, jnp.zeros(())), micro)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+                 update_norm=optax.global_norm(updates))
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def batch_multiple(micro_batches: int, mesh=None) -> int:
+  """Rows a batch must be a multiple of: micro-batches x batch shards (data x fsdp)."""
+  return micro_batches * (1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
+
+
+def jit_step(fn, mesh=None, rules=sharding.DEFAULT_RULES,
+             state_shardings: TrainState | None = None, donate: bool = True):
+  """jit `fn(state, batch) -> (state, metrics)`: batch sharded over (data, fsdp),
+  activations constrained by the logical rules, new state on `state_shardings`."""
+  out = None if state_shardings is None else (state_shardings, None)
+  jitted = jax.jit(fn, donate_argnums=(0,) if donate else (), out_shardings=out)
+
+  def run(state: TrainState, batch: dict[str, Any]):
+    batch = sharding.place_batch(batch, mesh, rules)
+    with sharding.use_mesh_rules(mesh, rules):
+      return jitted(state, batch)
+  return run
+
+
+def jit_eval(fn, mesh=None, rules=sharding.DEFAULT_RULES):
+  """jit `fn(params, batch)` (no update): the batch placed as in `jit_step`."""
+  jitted = jax.jit(fn)
+
+  def run(params, batch: dict[str, Any]):
+    batch = sharding.place_batch(batch, mesh, rules)
+    with sharding.use_mesh_rules(mesh, rules):
+      return jitted(params, batch)
+  return run
