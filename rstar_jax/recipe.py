@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 from typing import Any, Sequence
 
 from absl import logging
@@ -436,17 +437,20 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     return reports
   if cfg.compile_cache:
     config_utils.enable_compile_cache(os.path.join(workdir, "compile_cache"))
-  with tools_lib.build_tools(cfg.tools) as tools:
+  # Held to the end, tear-down included: a signal that lands after the last step still
+  # lets the stage in flight finish and the servers stop in order.
+  with interrupt.StopRequests() as stop, tools_lib.build_tools(cfg.tools) as tools:
     ctx = build_context(cfg, tools, workdir)
     try:
-      with interrupt.StopRequests() as stop:
-        reports = _run_stages(cfg, ctx, workdir, todo, stop)
+      reports = _run_stages(cfg, ctx, workdir, todo, stop)
     finally:
       if ctx.engines is not None:
         ctx.engines.stop()
-  plot = progress_plot.plot_rl_progress(workdir, RL_STAGES)
-  if plot:
-    print(f"plot: {plot}")
+    plot = progress_plot.plot_rl_progress(workdir, RL_STAGES)
+    if plot:
+      print(f"plot: {plot}")
+    if stop.requested:
+      print(f"{signal.Signals(stop.signum).name} received after the last requested stage: all finished")
   return reports
 
 
