@@ -18,6 +18,7 @@ from rstar_jax import config_utils, recipe
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")
 CONFIGS = ["experiments/configs/toy.py", "experiments/configs/toy.py:smoke",
+           "experiments/configs/toy_roc_ablation.py",
            "experiments/configs/rstar2_agent_14b.py"]
 
 
@@ -36,6 +37,8 @@ def test_every_config_builds(spec):
   c = _load(os.path.join(REPO, spec))
   if "14b" in spec:
     c = _14b()
+  if "ablation" in spec:
+    c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
   cfg = recipe.build_config(c)
   doc = open(os.path.join(REPO, spec.split(":")[0])).read().split('"""')[1]
   assert doc.startswith("python -m experiments.")   # the docstring opens with the command
@@ -73,7 +76,7 @@ def _other_value(tp, current, path):
   base = config_utils._base_type(inner or tp)
   special = {
       "preset": "qwen3-0.6b", "kind": None, "backend": None, "method": "uniform",
-      "positive_selection": "topk", "estimator": "dr_grpo", "aggregation": "seq-mean-token-mean",
+      "positive_selection": "topk", "sample_counts": "half_slots", "estimator": "dr_grpo", "aggregation": "seq-mean-token-mean",
       "kl_estimator": "k2", "old_logprobs": "recompute",
       "scheduler_policy": "round_robin", "error_format": "full", "on_error": "skip",
       "param_dtype": "bfloat16", "dtype": "bfloat16", "remat_policy": "full",
@@ -248,3 +251,26 @@ def test_entry_point_without_config_says_how_to_call_it(module):
   assert out.returncode != 0
   assert "--config is required" in out.stderr
   assert f"python -m {module} --config experiments/configs/" in out.stdout + out.stderr
+
+
+def test_roc_ablation_points_build():
+  from experiments.configs import toy_roc_ablation as abl
+  points = abl.get_sweep()
+  assert len(points) == 9 and {p["seed"] for p in points} == {0, 1, 2}
+  methods = set()
+  for point in points:
+    c = _load(os.path.join(REPO, "experiments/configs/toy_roc_ablation.py"))
+    c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
+    for key, value in point.items():
+      *parents, leaf = key.split(".")
+      node = c
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+    cfg = recipe.build_config(c)
+    assert not cfg.sft.enabled and cfg.stage1.num_steps > 0 and cfg.model.hf_dir
+    drawn = cfg.rl.samples_per_prompt
+    kept = min(drawn, cfg.rl.downsample.group_size)
+    methods.add((cfg.rl.downsample.method, drawn, kept))
+  # RoC and plain GRPO at the same compute (2G drawn, G kept), and G drawn only
+  assert methods == {("roc", 8, 4), ("uniform", 8, 4), ("none", 4, 4)}

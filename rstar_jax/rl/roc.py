@@ -14,8 +14,14 @@ p_total = 0 would get an infinite weight; `penalty_floor` (default 0.01) bounds 
 is 1 / max(p_total, penalty_floor), so a spotless positive is 10x as likely per draw as one
 with a 10% tool-error rate and 50x as likely as one that never called the tool.
 
-Slots: negatives get G // 2, positives G - G // 2; when one side has fewer rollouts than its
-slots, the other side fills the rest.
+Counts (`sample_counts`): the report's rule, "half_of_each" (default), samples the same
+share of each pile: from N rollouts (N = 2G in the recipe) keep floor(n_neg * G / N)
+negatives, i.e. half of them, and fill the other G - floor(n_neg / 2) slots with positives,
+topping up from the other pile only when one runs short. So the kept group keeps the
+split of the 2G draws (22 positives / 10 negatives -> 11 / 5), and with it the group's
+reward mean that every advantage is measured against. "half_slots" (this codebase's rule
+before) gives negatives G // 2 slots whatever the split (22 / 10 -> 8 / 8); kept as a named
+option for comparison.
 
 `positive_selection="topk"` is the public release instead: counts in proportion to the
 pos/neg split (round-half-even of n_pos * G / N for positives, the rest negatives), at least
@@ -149,6 +155,8 @@ class DownsampleConfig:
     method: a registered down-sampler: "roc", "uniform", "none".
     group_size: G, rollouts kept per prompt (groups of <= G rollouts are kept whole).
     positive_selection: "sample" (report: weighted sampling) or "topk" (release).
+    sample_counts: "sample" only: "half_of_each" (report: floor(n_neg * G / N) negatives,
+      the rest positives) or "half_slots" (G // 2 slots for negatives whatever the split).
     penalty_floor: lower bound on p_total before taking 1 / p_total ("sample" only).
     use_error_penalty: include p_err in p_total (ablation switch).
     use_format_penalty: include p_format in p_total (ablation switch).
@@ -160,6 +168,7 @@ class DownsampleConfig:
   method: str = "roc"
   group_size: int = 16
   positive_selection: str = "sample"
+  sample_counts: str = "half_of_each"
   penalty_floor: float = 1e-2
   use_error_penalty: bool = True
   use_format_penalty: bool = True
@@ -176,6 +185,10 @@ class DownsampleConfig:
     if self.positive_selection not in ("sample", "topk"):
       raise ValueError("DownsampleConfig.positive_selection must be 'sample' or 'topk', "
                        f"got {self.positive_selection!r}")
+    try:
+      SAMPLE_COUNTS.lookup(self.sample_counts)
+    except (KeyError, ValueError) as e:
+      raise ValueError(f"DownsampleConfig.sample_counts: {e}") from None
     if not (self.penalty_floor > 0 and math.isfinite(self.penalty_floor)):
       raise ValueError(f"DownsampleConfig.penalty_floor must be > 0, got {self.penalty_floor}")
     if self.topk_min_per_side < 0:
@@ -207,15 +220,30 @@ def _penalties(group: Sequence[RolloutStats], idx: np.ndarray,
                   dtype=np.float64)
 
 
-def _half_split_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
-  """(positives, negatives) to keep: negatives G // 2, positives the rest, with fill-in."""
-  neg_slots = keep // 2
+def _fill(n_pos: int, n_neg: int, keep: int, neg_slots: int) -> tuple[int, int]:
+  """(positives, negatives) for `neg_slots` negative slots; a short pile is topped up."""
   pos_slots = keep - neg_slots
   if n_pos < pos_slots:
     return n_pos, keep - n_pos
   if n_neg < neg_slots:
     return keep - n_neg, n_neg
   return pos_slots, neg_slots
+
+
+SAMPLE_COUNTS: Registry = Registry("RoC sample-count rule")
+
+
+@SAMPLE_COUNTS.register("half_of_each")
+def _half_of_each_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
+  """The report's counts: the same share keep / N of each pile, negatives rounded down."""
+  return _fill(n_pos, n_neg, keep, (n_neg * keep) // (n_pos + n_neg))
+
+
+@SAMPLE_COUNTS.register("half_slots")
+def _half_slots_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
+  """Negatives get keep // 2 slots whatever the split, positives the rest."""
+  return _fill(n_pos, n_neg, keep, keep // 2)
+
 
 
 def _proportional_counts(n_pos: int, n_neg: int, keep: int, min_per_side: int
@@ -252,7 +280,7 @@ def _roc(group: Sequence[RolloutStats], config: DownsampleConfig,
     else:
       kept_neg = neg[:k_neg]
   else:
-    k_pos, k_neg = _half_split_counts(pos.size, neg.size, keep)
+    k_pos, k_neg = SAMPLE_COUNTS.lookup(config.sample_counts)(pos.size, neg.size, keep)
     kept_neg = rng.choice(neg, size=k_neg, replace=False) if k_neg else neg[:0]
     if k_pos:
       weights = 1.0 / np.maximum(_penalties(group, pos, config), config.penalty_floor)

@@ -101,25 +101,56 @@ def test_registry():
 
 # --- counts ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n_pos,n_neg,keep,want_pos,want_neg", [
-    (16, 16, 16, 8, 8),
-    (20, 12, 16, 8, 8),
-    (5, 27, 16, 5, 11),     # fewer positives than their half: negatives fill
-    (28, 4, 16, 12, 4),     # fewer negatives than their half: positives fill
-    (0, 32, 16, 0, 16),     # all wrong
-    (32, 0, 16, 16, 0),     # all correct
-    (1, 31, 16, 1, 15),
-    (6, 4, 5, 3, 2),        # odd G: negatives get G // 2
+@pytest.mark.parametrize("counts,n_pos,n_neg,keep,want_pos,want_neg", [
+    # the report's rule: half of each pile
+    ("half_of_each", 16, 16, 16, 8, 8),
+    ("half_of_each", 22, 10, 16, 11, 5),   # the split of the 2G draws is kept
+    ("half_of_each", 21, 11, 16, 11, 5),   # odd pile: negatives rounded down
+    ("half_of_each", 5, 27, 16, 3, 13),    # half of each: 2.5 -> 3 positives, 13 negatives
+    ("half_of_each", 28, 4, 16, 14, 2),
+    ("half_of_each", 0, 32, 16, 0, 16),    # all wrong
+    ("half_of_each", 32, 0, 16, 16, 0),    # all correct
+    ("half_of_each", 1, 31, 16, 1, 15),
+    ("half_of_each", 6, 4, 5, 3, 2),       # N != 2G: floor(4 * 5 / 10) negatives
+    # the earlier rule: G // 2 slots for negatives
+    ("half_slots", 16, 16, 16, 8, 8),
+    ("half_slots", 22, 10, 16, 8, 8),
+    ("half_slots", 5, 27, 16, 5, 11),
+    ("half_slots", 28, 4, 16, 12, 4),      # fewer negatives than their slots: positives fill
+    ("half_slots", 6, 4, 5, 3, 2),         # odd G: negatives get G // 2
 ])
-def test_roc_sample_counts(n_pos, n_neg, keep, want_pos, want_neg):
+def test_roc_sample_counts(counts, n_pos, n_neg, keep, want_pos, want_neg):
   group = _group(n_pos, n_neg)
-  config = DownsampleConfig(group_size=keep)
+  config = DownsampleConfig(group_size=keep, sample_counts=counts)
   for seed in range(5):
     kept = roc.select_group(group, config, np.random.default_rng(seed))
     assert kept.size == keep == np.unique(kept).size
     assert np.all(np.diff(kept) > 0)
     assert sum(group[i].is_positive for i in kept) == want_pos
     assert sum(not group[i].is_positive for i in kept) == want_neg
+
+
+@pytest.mark.parametrize("G", [8, 16])
+def test_half_of_each_for_every_split_of_2g(G):
+  # From 2G: floor(n_neg / 2) negatives, G - floor(n_neg / 2) positives; a short pile is
+  # topped up from the other. Written out per case, independently of the implementation.
+  for n_neg in range(2 * G + 1):
+    n_pos = 2 * G - n_neg
+    want_neg = n_neg // 2
+    want_pos = G - want_neg
+    if want_pos > n_pos:           # too few positives: negatives fill
+      want_pos, want_neg = n_pos, G - n_pos
+    group = _group(n_pos, n_neg)
+    kept = roc.select_group(group, DownsampleConfig(group_size=G), np.random.default_rng(n_neg))
+    got_pos = sum(group[i].is_positive for i in kept)
+    assert (got_pos, kept.size - got_pos) == (want_pos, want_neg), (n_pos, n_neg)
+    # the kept reward mean stays within a rounding step of the 2G draws' mean
+    assert abs(got_pos / G - n_pos / (2 * G)) <= 1 / G + 1e-12
+
+
+def test_sample_counts_rule_is_validated():
+  with pytest.raises(ValueError, match="sample_counts.*half_of_each"):
+    DownsampleConfig(sample_counts="half")
 
 
 def test_small_groups_are_kept_whole():

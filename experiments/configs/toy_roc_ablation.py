@@ -1,0 +1,54 @@
+r"""python -m experiments.sweep --config experiments/configs/toy_roc_ablation.py --workdir /tmp/roc_ablation --config.model.hf_dir=/tmp/rstar_toy/sft/export --config.tokenizer.path=/tmp/rstar_toy/sft/export
+
+The RoC ablation on the toy task (the report's Fig. 4 at toy scale): from one SFT model,
+RL with GRPO-RoC against plain GRPO at the same compute, x 3 seeds.
+
+First make the SFT model once (the toy recipe's SFT stage, ~9 min on 2 cores):
+  python -m experiments.recipe --config experiments/configs/toy.py \
+      --config.workdir=/tmp/rstar_toy --stages=sft
+then run the sweep above (`--workers 2` on a machine with 4+ cores). Every point starts
+from that export (`model.hf_dir`, `tokenizer.kind="hf"`, SFT off) and runs stage 1 + the
+final evaluation; per RL step its `stage1/metrics_rl.jsonl` logs the tool-error rate among
+correct trajectories (`rollout/tool_error_rate_correct`), the reward (sampled pass@1 of the
+step's problems) and the response length. `results.md` holds the final evaluation per point
+and mean +- std over the seeds.
+
+Points (`get_sweep`):
+  roc       GRPO-RoC: 2G rollouts, G kept by RoC (the report's counts).
+  uniform   plain GRPO at the same compute: 2G rollouts, G kept uniformly at random.
+  g_only    plain GRPO with G rollouts (half the sampling compute).
+"""
+from rstar_jax import config_utils as cu
+from rstar_jax import recipe
+
+from experiments.configs import toy
+
+SEEDS = (0, 1, 2)
+ARMS = {
+    "roc": {"rl.downsample.method": "roc"},
+    "uniform": {"rl.downsample.method": "uniform"},
+    "g_only": {"rl.downsample.method": "none", "rl.samples_per_prompt": 4},
+}
+
+
+def get_config(variant: str = ""):
+  c = toy.get_config(variant)
+  c.workdir = "/tmp/roc_ablation/point"
+  # One SFT model for every point: the sweep passes its export on the command line.
+  c.model.update(preset=None, hidden_size=None, intermediate_size=None, num_hidden_layers=None,
+                 num_attention_heads=None, num_key_value_heads=None, head_dim=None,
+                 tie_word_embeddings=None)
+  c.tokenizer.kind = "hf"
+  c.sft.enabled = False
+  # What matters to the effect is the RL stage; stage 2's longer budget and the stage-3
+  # hard subset are the recipe's, not the ablation's. Stage 1 runs longer instead.
+  c.stage1.num_steps = 40
+  c.stage2.num_steps = 0
+  c.stage3.num_steps = 0
+  c.eval.after_sft = False
+  return c
+
+
+def get_sweep(variant: str = ""):
+  del variant
+  return [dict(arm, seed=seed) for arm in ARMS.values() for seed in SEEDS]
