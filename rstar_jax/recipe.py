@@ -185,8 +185,8 @@ def check_workdir(cfg: RecipeConfig) -> str:
     with open(path) as f:
       old = json.load(f)
     ignore = ("workdir", "allow_config_change", "allow_random_init")
-    changes = [d for d in _diff({k: v for k, v in old.items() if k not in ignore},
-                                {k: v for k, v in json.loads(text).items() if k not in ignore})]
+    changes = _diff({k: v for k, v in old.items() if k not in ignore},
+                    {k: v for k, v in json.loads(text).items() if k not in ignore})
     if changes and not cfg.allow_config_change:
       raise config_utils.ConfigError(
           f"{workdir} holds finished stages {done} made with another config; changed: "

@@ -38,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from sandbox.launcher import free_port  # noqa: F401  (test_sglang_engine imports it from here)
+
 SGLANG_VERSION = "0.5.23"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
@@ -203,13 +205,6 @@ def sglang_schema(tmp_path_factory) -> SGLangSchema:
 
 # ---- Real rollout servers ---------------------------------------------------------------
 SERVER_SLOTS, SERVER_MAX_LEN, SERVER_BUCKET = 4, 256, 256
-
-
-def free_port() -> int:
-  import socket
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class ServerProcess:
