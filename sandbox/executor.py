@@ -572,7 +572,10 @@ class Executor:
         job.record = json.loads(bytes(job.bufs["res"]))
       except ValueError:
         job.record = None  # a torn record: the exit event decides
-    ended = job.record is not None or job.exit is not None
+    # With cgroups the worker reports every call's exit (an OOM kill of one of its
+    # processes shows only there), so a one-shot call's record alone does not end it.
+    ended = job.exit is not None or (job.record is not None
+                                     and (self._cgroup is None or job.session is not None))
     torn = not job.fds and job.record is None and bool(job.bufs["res"])
     if ended and not job.fds:
       self._finish(job)
@@ -637,17 +640,21 @@ class Executor:
     elif job.timed_out:
       r.status, r.error_type = "timeout", "TimeoutError"
       r.error_message = f"timed out after {job.timeout:g} s (wall clock); the call was killed"
+    elif ex and ex.get("oom"):
+      # Before the record: a call whose child the kernel killed may still have finished.
+      r.status, r.error_type = "memory_exceeded", "MemoryError"
+      what = "it" if "signal" in ex else "one of its processes"
+      r.error_message = (f"the call's processes and /tmp files went past its memory limit of "
+                         f"{self.config.per_call_mb} MB; the kernel killed {what}")
+      if "signal" in ex:
+        r.exit_code = -int(getattr(signal.Signals, ex["signal"], 0))
+      elif rec:
+        r.exit_code = rec.get("exit_code")
     elif rec:
       r.status = rec["status"]
       r.exit_code = rec.get("exit_code")
       for k in ("error_type", "error_line", "error_message", "error_source"):
         setattr(r, k, rec.get(k))
-    elif ex and ex.get("oom"):
-      r.status, r.error_type = "memory_exceeded", "MemoryError"
-      r.error_message = (f"the call's processes and /tmp files went past its memory limit of "
-                         f"{self.config.per_call_mb} MB; the kernel killed it")
-      if "signal" in ex:
-        r.exit_code = -int(getattr(signal.Signals, ex["signal"], 0))
     elif ex and "signal" in ex:
       sig = ex["signal"]
       if sig == "SIGXCPU":

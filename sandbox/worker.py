@@ -590,8 +590,10 @@ class Zygote:
       self.free_slots.append(child.slot)
       if child.job_id is not None:
         self.by_job.pop(child.job_id, None)
-        if clean and not child.session:
+        if clean and not child.session and not self.cgroup:
           continue  # the call's own record has told the supervisor everything
+        # With cgroups a clean exit is reported too: the kernel may have killed one of
+        # the call's processes at the limit while the call itself went on to finish.
         ev = {"ev": "exit", "id": child.job_id, "cpu_time": ru.ru_utime + ru.ru_stime}
         if self.cgroup and self.oom_kills(child.slot) > child.oom0:
           ev["oom"] = True  # the kernel killed (part of) the call at its memory cgroup limit

@@ -54,3 +54,25 @@ def test_hogs_next_to_benign_calls(cgroups):
       else:  # without cgroups the sum of processes is not bounded (documented)
         assert r.status in ("ok", "memory_exceeded"), r
     assert stats["statuses"]["internal_error"] == 0 and stats["statuses"]["timeout"] == 0
+
+
+# Four children of 160 MB each (under the per-process address-space limit), together past
+# the call's 592 MB: the kernel kills a child (the parent is the smallest process) and the
+# parent goes on to finish cleanly.
+CHILD_KILLED = ("import os\npids = []\nfor _ in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
+                "    x = b'x' * (160 << 20)\n    import time; time.sleep(30)\n    os._exit(0)\n"
+                "  pids.append(pid)\n"
+                "import time; time.sleep(3)\nfor pid in pids: os.kill(pid, 9)\n"
+                "codes = [os.waitpid(p, 0)[1] for p in pids]\nprint('parent finished')")
+
+
+def test_a_child_killed_at_the_limit_marks_a_finished_call():
+  args = ["--memory-mb", "512", "--tmp-mb", "64", "--shm-mb", "16", "--cgroups", "auto"]
+  with running_server(max_children=4, pool_size=1, extra_args=args) as url:
+    if not health(url)["memory"].startswith("cgroup"):
+      pytest.skip("no memory cgroups on this machine")
+    with SyncSandboxClient([url]) as client:
+      r, ok = client.execute([{"code": CHILD_KILLED, "timeout": 60}, {"code": "print(1)"}])
+  assert (r.status, r.stdout, r.exit_code) == ("memory_exceeded", "parent finished\n", 0), r
+  assert "killed one of its processes" in r.error_message, r
+  assert (ok.status, ok.stdout) == ("ok", "1\n"), ok
