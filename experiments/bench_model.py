@@ -2,12 +2,15 @@ r"""python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=
 
 Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
 
+Everything goes to --out as JSON too (read by notebooks/03_sandbox_and_engine_perf.ipynb).
+
 Both sides compute the same thing: next-token cross-entropy of a random batch and
 its gradient w.r.t. every parameter, fp32, same architecture and weights (the torch
 model is loaded from the directory our model was exported to). Runs alternate
 between the two (A, B, A, B, ...) so machine noise hits both equally; the table
 reports medians and the ratio. Not a test: nothing here is asserted.
 """
+import json
 import os
 import statistics
 import tempfile
@@ -25,6 +28,7 @@ flags.DEFINE_integer("seq", 256, "sequence length")
 flags.DEFINE_integer("batch", 8, "batch size")
 flags.DEFINE_integer("repeats", 5, "timed repeats per side (after one warm-up)")
 flags.DEFINE_integer("threads", 0, "torch intra-op threads (0 = all cores)")
+flags.DEFINE_string("out", "/tmp/bench_model.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
 
@@ -105,6 +109,21 @@ def main(_):
   print(f"ratio jax/torch tokens/s (wall, median): {med['torch'] / med['jax']:.2f}x; "
         f"(wall, best): {min(times['torch']) / min(times['jax']):.2f}x; "
         f"(CPU time): {cmed['torch'] / cmed['jax']:.2f}x")
+  result = {"benchmark": "bench_model", "flags": {k: getattr(FLAGS, k) for k in (
+                "layers", "hidden", "heads", "kv_heads", "vocab", "seq", "batch", "repeats")},
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(), "tokens_per_step": ntok,
+            "loss": {"jax": lj, "torch": lt}, "jax_compile_s": compile_s,
+            "wall_s": times, "cpu_s": cpu,
+            "tokens_per_s": {k: ntok / med[k] for k in med},
+            "ratio_jax_over_torch": {"wall_median": med["torch"] / med["jax"],
+                                     "wall_best": min(times["torch"]) / min(times["jax"]),
+                                     "cpu": cmed["torch"] / cmed["jax"]}}
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=1)
+    print(f"figures written to {FLAGS.out}")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,13 @@ r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent ro
     turn is sampled freely until a stop id or the response budget. Reports
     trajectories/s, tool calls/s, tool latency, slot utilisation of the engine.
 
-Not a test: nothing is asserted. Figures depend on the machine and its load.
+Everything goes to --out as JSON too. Not a test: nothing is asserted. Figures depend on the machine and its load.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import statistics
@@ -53,6 +54,7 @@ flags.DEFINE_integer("think_tokens", 24, "(b) tokens sampled before each scripte
 flags.DEFINE_integer("sandbox_children", 8, "(b) sandbox server --max-children")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
+flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
 
@@ -191,7 +193,11 @@ def bench_generate():
         f"({each['_decode']:.2f} ms each), host Python "
         f"{host / reps:.3f} s ({100 * host / total:.0f}%)")
   print(f"    torch per generated position: {1e3 * med['torch'] / n:.2f} ms for the whole batch")
-  return {"jax_tps": ntok / med["jax"], "torch_tps": ntok / med["torch"]}
+  return {"batch": b, "prompt_len": p, "new_tokens": n, "preset": FLAGS.preset,
+          "num_params": cfg.num_params, "wall_s": times, "jax_first_run_s": first_jax,
+          "tokens_per_s": {k: ntok / med[k] for k in med},
+          "ratio_jax_over_torch": med["torch"] / med["jax"], "max_logit_diff": logit_diff,
+          "profile_s": secs, "profile_calls": calls, "host_python_s": host}
 
 
 # --- (b) multi-turn rollouts with the sandbox ------------------------------------------------
@@ -348,17 +354,32 @@ def bench_agent():
   ]
   for k, v in rows:
     print(f"    {k:<32}{v}")
+  return {"trajectories": n, "wall_s": wall, "trajectories_per_s": n / wall,
+          "tool_calls": calls, "tool_errors": errors, "tool_calls_per_s": calls / wall,
+          "tool_latency_ms": lat.tolist(), "finish_reasons": reasons,
+          "response_tokens_mean": float(resp.mean()), "model_tokens": model_tok,
+          "engine_tokens_per_s": d.get("generated_tokens", 0) / wall,
+          "slot_utilisation": util, "engine_busy_fraction": d.get("busy_s", 0.0) / wall,
+          "compile_s": compile_s, "slots": ecfg.num_slots, "max_len": ecfg.max_len}
 
 
 def main(_):
   import jax
   # The machine is often shared: the load average says how far to trust the figures.
   print(f"jax devices: {jax.devices()}; load average {os.getloadavg()[0]:.1f}")
+  result = {"benchmark": "bench_rollout", "cpus": os.cpu_count(),
+            "load_average_start": os.getloadavg()}
   if not FLAGS.skip_a:
-    bench_generate()
+    result["generate"] = bench_generate()
   if not FLAGS.skip_b:
-    bench_agent()
+    result["agent"] = bench_agent()
+  result["load_average_end"] = os.getloadavg()
   print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+  if FLAGS.out:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=1, default=float)
+    print(f"figures written to {FLAGS.out}")
 
 
 if __name__ == "__main__":

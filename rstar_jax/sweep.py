@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
@@ -577,3 +578,67 @@ def write_manifest(sweep_workdir: str, points: Sequence[Point],
 
 def python_executable() -> str:
   return sys.executable or "python"
+
+
+# ---- curves (what a notebook plots) -------------------------------------------------------
+def load_points(sweep_workdir: str) -> list[Point]:
+  """The points of a sweep, from its sweep.json (written when the sweep starts)."""
+  path = os.path.join(sweep_workdir, "sweep.json")
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    return [Point(p["name"], dict(p["overrides"]), p["workdir"]) for p in data["points"]]
+  except FileNotFoundError:
+    raise SweepError(f"{path}: no sweep manifest here (run experiments.sweep with "
+                     f"--workdir {sweep_workdir} first)") from None
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise SweepError(f"{path}: unreadable sweep manifest ({type(e).__name__}: {e})") from None
+
+
+def point_curves(point: Point, keys: Sequence[str]) -> dict[str, np.ndarray]:
+  """Per RL step of a point, stages one after another: "step" (1, 2, ... across stages),
+  "stage" (its index in STAGE_DIRS) and each key of `keys` (NaN where a row lacks it).
+  Rows that do not parse (a killed run's torn last line) are left out."""
+  rows, stages = [], []
+  for i, stage in enumerate(STAGE_DIRS):
+    path = os.path.join(point.workdir, stage, "metrics_rl.jsonl")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if isinstance(row, dict):
+          rows.append(row)
+          stages.append(i)
+  out = {"step": np.arange(1, len(rows) + 1), "stage": np.asarray(stages, dtype=int)}
+  for k in keys:
+    vals = [_numeric(r.get(k)) for r in rows]
+    out[k] = np.asarray([np.nan if v is None else v for v in vals], dtype=float)
+  return out
+
+
+def seed_curves(points: Sequence[Point], key: str) -> dict[str, dict[str, np.ndarray]]:
+  """`key` per RL step for every group of points that differ only in `seed`: "step",
+  "mean", "std" (ddof=1; NaN with one seed) and "n" (seeds with a value at that step),
+  up to the longest run of the group."""
+  groups: dict[str, list[np.ndarray]] = {}
+  for p in points:
+    rest = {k: v for k, v in p.overrides.items() if k != SEED_KEY}
+    groups.setdefault(point_name(rest), []).append(point_curves(p, [key])[key])
+  out = {}
+  for g, curves in groups.items():
+    length = max((len(c) for c in curves), default=0)
+    table = np.full((len(curves), length), np.nan)
+    for i, c in enumerate(curves):
+      table[i, :len(c)] = c
+    n = np.sum(~np.isnan(table), axis=0)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: mean is NaN
+      mean = np.nanmean(table, axis=0) if length else np.zeros(0)
+      std = np.nanstd(table, axis=0, ddof=1) if length else np.zeros(0)
+    std = np.where(n > 1, std, np.nan)
+    out[g] = {"step": np.arange(1, length + 1), "mean": mean, "std": std, "n": n}
+  return out

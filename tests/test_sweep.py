@@ -259,6 +259,41 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert md == open(tmp_path / "results.md").read()
 
 
+def test_curves_per_step_across_stages_and_over_seeds(tmp_path):
+  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] + [{"m": "u", "seed": 0}],
+                          str(tmp_path))
+  reward = {0: [0.1, 0.2, 0.4], 1: [0.3, 0.4], 2: [0.2, None, 0.6]}
+  for p in pts[:3]:
+    r = reward[p.overrides["seed"]]
+    stage1, stage3 = r[:1], r[1:]   # stage 2 missing: steps continue across stages
+    for stage, vals, first in (("stage1", stage1, 1), ("stage3", stage3, 1)):
+      os.makedirs(os.path.join(p.workdir, stage))
+      with open(os.path.join(p.workdir, stage, "metrics_rl.jsonl"), "w") as f:
+        for i, v in enumerate(vals):
+          f.write(json.dumps({"step": first + i, **({} if v is None else
+                                                    {"rollout/reward_mean": v})}) + "\n")
+        f.write('{"step": 7, "rollo')   # a killed run's torn line is left out
+  c = sweep.point_curves(pts[0], ["rollout/reward_mean", "absent"])
+  assert c["step"].tolist() == [1, 2, 3] and c["stage"].tolist() == [0, 2, 2]
+  np.testing.assert_allclose(c["rollout/reward_mean"], [0.1, 0.2, 0.4])
+  assert np.isnan(c["absent"]).all()
+  g = sweep.seed_curves(pts, "rollout/reward_mean")
+  assert set(g) == {"m=roc", "m=u"}
+  roc = g["m=roc"]
+  assert roc["step"].tolist() == [1, 2, 3] and roc["n"].tolist() == [3, 2, 2]
+  table = [[0.1, 0.2, 0.4], [0.3, 0.4, np.nan], [0.2, np.nan, 0.6]]
+  for j in range(3):
+    col = [row[j] for row in table if not np.isnan(row[j])]
+    assert roc["mean"][j] == pytest.approx(np.mean(col))
+    assert roc["std"][j] == pytest.approx(np.std(col, ddof=1))
+  assert g["m=u"]["step"].size == 0   # a point that has not run yet: an empty curve
+  # The manifest the sweep writes is what a notebook reads the points from.
+  sweep.write_manifest(str(tmp_path), pts, lambda p: ["x"])
+  assert sweep.load_points(str(tmp_path)) == pts
+  with pytest.raises(sweep.SweepError, match="no sweep manifest"):
+    sweep.load_points(str(tmp_path / "nowhere"))
+
+
 # ---- the command line -------------------------------------------------------------------
 def test_cli_print_only(fake, tmp_path):
   cfg, cfg_sweep, env = fake

@@ -9,6 +9,7 @@ an evaluation. The same stream always gives the same rollouts.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Sequence
 
 import numpy as np
@@ -25,6 +26,17 @@ def trajectory_seeds(stream: Sequence[int], n: int) -> list[int]:
               .generate_state(1)[0] % (2 ** 31 - 1)) for i in range(n)]
 
 
+def run_sync(coro):
+  """`asyncio.run(coro)`, also where this thread already runs an event loop (a Jupyter
+  kernel): there the coroutine runs to completion on a loop of its own in a worker thread."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(coro)
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts") as pool:
+    return pool.submit(asyncio.run, coro).result()
+
+
 def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
             problems: Sequence[math_data.MathProblem], *, k: int,
             agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
@@ -36,7 +48,7 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
     from tqdm import tqdm
     bar = tqdm(total=len(items), desc=desc, unit="traj")
   try:
-    trajs = asyncio.run(agent_loop.run_many(
+    trajs = run_sync(agent_loop.run_many(
         engine, tools, proto, items, agent, seeds=trajectory_seeds(stream, len(items)),
         progress=(lambda _: bar.update(1)) if bar is not None else None))
   finally:

@@ -11,7 +11,7 @@ import pytest
 
 from rstar_jax.analysis import entropy
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from tests import toy_fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,21 +50,10 @@ def test_chunked_entropy_matches_numpy_on_hand_built_logits():
       atol=2e-5)
 
 
-CFG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  initializer_range=0.5, rope_theta=10_000.0, tie_word_embeddings=False)
+CFG = toy_fixtures.CFG
 
 
-def _random_model(cfg, seed=0):
-  """A Qwen3 with N(0, 0.3) weights, built without compiling an initialiser
-  (qwen3.create_model jit-compiles one: ~10 s on a busy 2-core machine)."""
-  import jax
-  from flax import nnx
-  graphdef, abstract = nnx.split(qwen3.abstract_model(cfg))
-  rng = np.random.RandomState(seed)
-  state = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.3, a.shape).astype(a.dtype)),
-                       abstract)
-  return nnx.merge(graphdef, state)
+_random_model = toy_fixtures.random_model
 
 
 def _traj(rng, p, r, vocab=61, mask=None):
@@ -218,28 +207,8 @@ def test_write_samples_rows_load(tmp_path):
 def test_cli_end_to_end_on_tiny_export(tmp_path):
   """A tiny random Qwen3 + toy tokenizer exported with save_hf; toy traces with tool
   calls rendered through the chat protocol; the CLI's entropies equal the library's."""
-  from rstar_jax.data import toy_task
-  from rstar_jax.model import hf_io
-  from rstar_jax.rollout import chat
-
-  tok = toy_task.train_toy_tokenizer(1800, n=300, seed=0)
-  tok_dir = str(tmp_path / "tok")
-  tok.save(tok_dir)
-  cfg = CFG.replace(vocab_size=len(tok))
-  model = _random_model(cfg, seed=0)
-  hf_dir = str(tmp_path / "hf")
-  hf_io.save_hf(model, hf_dir, dtype="float32", tokenizer_dir=tok_dir)
-  proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
-  problems = toy_task.generate_problems(6, seed=1, levels=(1, 2))
-  traces = toy_task.make_traces(problems, seed=2,
-                                config=toy_task.TraceConfig(bug_share=0.5, no_tool_share=0.0))
-  path = tmp_path / "samples.jsonl"
-  with open(path, "w") as f:
-    for i, tr in enumerate(traces):
-      r = toy_task.render_trace(proto, tr)
-      f.write(json.dumps({"uid": f"p{i}#0", "prompt_ids": r.ids[:r.prompt_len],
-                          "response_ids": r.ids[r.prompt_len:],
-                          "response_mask": r.loss_mask[r.prompt_len:]}) + "\n")
+  hf_dir, model, tok = toy_fixtures.toy_export(str(tmp_path), seed=0)
+  path = toy_fixtures.write_toy_samples(str(tmp_path / "samples.jsonl"), tok, n=6, seed=1)
   out = tmp_path / "out" / "entropy.json"
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)

@@ -1,0 +1,141 @@
+"""The notebooks (notebooks/*.ipynb) run headless with papermill on tiny inputs built
+here: each has a cell tagged `parameters` that papermill overrides, and any error in
+any cell fails the test. Inputs: a sweep directory written through rstar_jax.sweep's
+own writers (01), a random tiny toy policy with toy traces (02, 04), and the JSON of
+the three benchmarks run at tiny sizes (03)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import numpy as np
+import pytest
+
+from rstar_jax import sweep
+from tests import toy_fixtures
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(REPO, "notebooks")
+NAMES = ["01_roc_ablation", "02_entropy", "03_sandbox_and_engine_perf", "04_quickstart"]
+
+
+def _run(name: str, out_dir, **parameters) -> nbformat.NotebookNode:
+  import papermill
+  out = os.path.join(str(out_dir), f"{name}.out.ipynb")
+  papermill.execute_notebook(os.path.join(NOTEBOOKS, f"{name}.ipynb"), out,
+                             parameters=parameters, kernel_name="python3", cwd=REPO,
+                             progress_bar=False, execution_timeout=600)
+  return nbformat.read(out, as_version=4)
+
+
+def _text(nb) -> str:
+  """Everything the executed cells printed or displayed as text."""
+  parts = []
+  for cell in nb.cells:
+    for o in cell.get("outputs", []):
+      if o.output_type == "stream":
+        parts.append(o.text)
+      elif o.output_type in ("display_data", "execute_result"):
+        parts.append(o.data.get("text/markdown", "") or o.data.get("text/plain", ""))
+  return "\n".join(parts)
+
+
+def test_committed_notebooks_are_clean_and_parameterised():
+  assert sorted(f[:-6] for f in os.listdir(NOTEBOOKS) if f.endswith(".ipynb")) == NAMES
+  for name in NAMES:
+    nb = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+    nbformat.validate(nb)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "**What it shows.**" in first.source, name
+    assert "**How to run.**" in first.source and "papermill" in first.source, name
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and tagged[0] is nb.cells[1], name
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), \
+        f"{name}: committed with outputs (clear them before committing)"
+
+
+def test_01_roc_ablation_reads_a_sweep(tmp_path):
+  rng = np.random.RandomState(0)
+  arms = {"roc": -0.02, "uniform": -0.01}
+  pts = sweep.make_points([{"rl.downsample.method": a, "seed": s} for a in arms for s in (0, 1)],
+                          str(tmp_path / "sweep"))
+  for p in pts[:-1]:   # the last point has not run yet
+    slope = arms[p.overrides["rl.downsample.method"]]
+    os.makedirs(os.path.join(p.workdir, "stage1"))
+    with open(os.path.join(p.workdir, "stage1", "metrics_rl.jsonl"), "w") as f:
+      for step in range(1, 21):
+        f.write(json.dumps({"step": step,
+                            "rollout/tool_error_rate_correct": max(0.3 + slope * step, 0) +
+                            0.01 * rng.rand(), "rollout/reward_mean": 0.5 + 0.01 * step,
+                            "rollout/model_tokens_mean": 60 - 0.2 * step}) + "\n")
+    with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
+      json.dump({"pass_at_1": 0.7 + 0.01 * p.overrides["seed"], "tool_error_rate_correct": 0.05,
+                 "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
+  sweep.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
+  text = _text(_run("01_roc_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3,
+                    early_late=4))
+  assert "4 points in" in text and "not finished" in text
+  assert "| rl.downsample.method=roc | 2 | 0.705 ± 0.007071 |" in text
+  assert "| rl.downsample.method=uniform | 1 | 0.7 (n=1) |" in text
+  assert "err change" in text
+
+
+@pytest.fixture(scope="module")
+def toy_policy(tmp_path_factory):
+  root = tmp_path_factory.mktemp("toy_policy")
+  hf_dir, _, tok = toy_fixtures.toy_export(str(root), seed=0)
+  samples = toy_fixtures.write_toy_samples(str(root / "samples.jsonl"), tok, n=6, seed=1)
+  return hf_dir, samples
+
+
+def test_02_entropy_on_a_tiny_policy(toy_policy, tmp_path):
+  hf_dir, samples = toy_policy
+  text = _text(_run("02_entropy", tmp_path, hf_dir=hf_dir, trajectories=samples, top_q=0.25,
+                    window=4, limit=0, chunk=64))
+  assert "6 trajectories" in text and "forking tokens" in text
+  assert "reflection share of the selected" in text
+
+
+def test_04_quickstart_generates_with_the_sandbox_and_scores(toy_policy, tmp_path):
+  hf_dir, _ = toy_policy
+  nb = _run("04_quickstart", tmp_path, hf_dir=hf_dir, num_problems=2, samples_per_problem=2)
+  text = _text(nb)
+  assert "'status': 'ok', 'stdout': '120\\n'" in text   # the call by hand ran in the sandbox
+  assert "toy-eval-0" in text and "rewards [" in text and "rollout/reward_mean" in text
+  assert " pos     id mask  logprob  token" in text
+
+
+def test_03_perf_from_the_benchmarks_json(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  out = {k: str(tmp_path / f"bench_{k}.json") for k in ("sandbox", "model", "rollout")}
+  commands = {
+      "sandbox": [sys.executable, "experiments/bench_sandbox.py", "--quick", "--nobaseline",
+                  "--spin_rounds=1", f"--out={out['sandbox']}"],
+      "model": [sys.executable, "-m", "experiments.bench_model", "--layers=1", "--hidden=32",
+                "--heads=4", "--kv_heads=2", "--vocab=128", "--seq=16", "--batch=2",
+                "--repeats=1", f"--out={out['model']}"],
+      "rollout": [sys.executable, "-m", "experiments.bench_rollout", "--preset=tiny", "--batch=2",
+                  "--prompt_len=8", "--new_tokens=4", "--repeats=1", "--trajectories=4",
+                  "--slots=4", "--max_len=256", "--max_turns=2", "--max_response_tokens=64",
+                  "--calls_per_traj=1", "--think_tokens=4", "--sandbox_children=2",
+                  f"--out={out['rollout']}"],
+  }
+  def run(cmd):
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    done = dict(zip(commands, pool.map(run, commands.values())))
+  for k, r in done.items():
+    assert r.returncode == 0 and os.path.exists(out[k]), (k, r.stdout[-2000:], r.stderr[-2000:])
+  text = _text(_run("03_sandbox_and_engine_perf", tmp_path, sandbox_json=out["sandbox"],
+                    model_json=out["model"], rollout_json=out["rollout"]))
+  assert "| sandbox service | print(1+1) | 1 |" in text and "share_of_limit" in text
+  assert "ratio jax/torch" in text and "(a) batch 2, prompt 8" in text and "(b) 4 trajectories" in text
+  # A missing file names the command that makes it, and the rest still runs.
+  text = _text(_run("03_sandbox_and_engine_perf", tmp_path, sandbox_json=out["sandbox"],
+                    model_json=str(tmp_path / "none.json"), rollout_json=out["rollout"]))
+  assert "none.json: not there; make it with" in text and "python -m experiments.bench_model" in text
