@@ -223,11 +223,15 @@ class Context:
   rules: Any
   engines: Any = None      # built from the first model that needs rollouts
 
-  def engines_for(self, model):
-    """The engine pool, generating with `model`'s parameters."""
+  def engines_for(self, model, version: str | None = None, *, sync: bool = True):
+    """The engine pool, generating with `model`'s parameters (named `version`; HTTP
+    servers get them as a checkpoint under rollout.weight_sync.dir). sync=False: the
+    caller (an RL trainer) moves the engines onto its own parameters."""
     if self.engines is None:
-      self.engines = backends.build_engine_pool(self.config.rollout, model)
-    self.engines.update_weights(nnx.state(model))
+      self.engines = backends.build_engine_pool(self.config.rollout, model,
+                                                workdir=self.workdir)
+    if sync:
+      self.engines.update_weights(nnx.state(model), version)
     return self.engines
 
 
@@ -327,7 +331,7 @@ def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
     with open(cache) as f:
       return [by_uid[u] for u in json.load(f)["uids"]]
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
-  groups = rollouts.collect(ctx.engines_for(model), ctx.tools, ctx.proto, ctx.tokenizer, pool,
+  groups = rollouts.collect(ctx.engines_for(model, "stage3-filter"), ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
                             stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
                             progress=True, desc="stage3 filter")
@@ -352,7 +356,7 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
                       len(problems))
       extra = [p for p in ctx.train_problems if p not in problems]
       problems = problems + extra[:c.rl.prompts_per_step - len(problems)]
-  engines = ctx.engines_for(model)
+  engines = ctx.engines_for(model, sync=False)
   trainer = rl_trainer.RLTrainer(c.rl, sc.agent, model, ctx.tokenizer, ctx.proto, problems,
                                  engines=engines, tools=ctx.tools,
                                  workdir=os.path.join(ctx.workdir, stage), seed=c.seed,
@@ -374,7 +378,7 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
   e = ctx.config.eval
-  report, trajs = eval_lib.evaluate(ctx.engines_for(model), ctx.tools, ctx.proto,
+  report, trajs = eval_lib.evaluate(ctx.engines_for(model, f"eval-{name}"), ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
                                     dataset=name, model_source=source or name,

@@ -93,6 +93,8 @@ def _other_value(tp, current, path):
           "name": "py", "parameters": {"properties": {"code": {"type": "string"}}}}},
       "rules": {"embed": "tensor"},
   }
+  if path[-2:] == ("weight_sync", "dtype"):
+    return "float32"
   if name == "schedule":
     return "warmup_cosine" if current == "warmup_constant" else "warmup_constant"
   if name in special and special[name] is not None:

@@ -147,6 +147,34 @@ def straight_rl(recipe_dir, tmp_path_factory):
   return _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
 
 
+def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight_rl, tmp_path):
+  """rollout.backend=server: stage 1 generates on two `rstar_jax.rollout.server`
+  processes, which get the trainer's weights through disk after every update (float32
+  checkpoints, so nothing is rounded); the metrics equal the in-process run's."""
+  from tests.rollout.conftest import ServerProcess
+  d = _copy_sft(recipe_dir[0], tmp_path / "served")
+  export = os.path.join(d, "sft", "export")
+  servers = [ServerProcess(export, str(tmp_path), name, num_slots=4, max_len=320, bucket=16,
+                           one_device=True) for name in ("s1", "s2")]
+  try:
+    for s in servers:
+      s.wait_ready()
+    urls = ",".join(f"'{s.url}'" for s in servers)
+    log = _run(d, *RL_ARGS, "--config.rollout.backend=server",
+               f"--config.rollout.servers=({urls},)", "--config.rollout.weight_sync.dtype=float32")
+  finally:
+    for s in servers:
+      s.kill()
+  rows = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
+  _assert_same_metrics(straight_rl, rows)
+  assert all(r["sync/servers"] == 2.0 and r["sync/gb"] > 0 for r in rows)
+  # The checkpoints of the last two versions stay on disk; the servers say they got them.
+  assert sorted(os.listdir(os.path.join(d, "weight_sync"))) == ["stage1-step2", "stage1-step3"]
+  served_logs = "".join(open(s.log_path).read() for s in servers)
+  assert "stage1-step3" in served_logs, served_logs[-2000:]
+  assert "config error" not in log
+
+
 def _assert_same_metrics(a, b):
   assert [r["step"] for r in b] == [1, 2, 3]
   for ra, rb in zip(a, b):

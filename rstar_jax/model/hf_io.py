@@ -351,21 +351,51 @@ def _lookup(tree, path):
 
 
 # ---- Writing -------------------------------------------------------------------
+def _hf_order(cfg: Qwen3Config, model: Qwen3):
+  """(hf name, our value, layer index or None, kind) in HF checkpoint order: embedding,
+  then every tensor of layer 0, layer 1, ..., then the final norm and the head."""
+  flat = {_state_key(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  head = [k for k in ("embed_tokens",) if k in flat]
+  tail = [k for k in ("norm", "lm_head") if k in flat]
+  layered = [k for k in flat if _TABLE[k].layered]
+  for k in head:
+    yield _TABLE[k].hf, flat[k], None, _TABLE[k].kind
+  for i in range(cfg.num_hidden_layers):
+    for k in layered:
+      yield _TABLE[k].hf.format(i=i), flat[k], i, _TABLE[k].kind
+  for k in tail:
+    yield _TABLE[k].hf, flat[k], None, _TABLE[k].kind
+
+
+def _hf_nbytes(var, layer: int | None, kind: str, dtype: str) -> tuple[tuple[int, ...], int]:
+  shape = tuple(var.get_value().shape)
+  if layer is not None:
+    shape = shape[1:]
+  hf_shape = _hf_shape(kind, shape)
+  return hf_shape, int(np.prod(hf_shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
+
+
+def _hf_value(var, layer: int | None, kind: str, dtype: str) -> np.ndarray:
+  """One HF tensor on the host: only this tensor (one layer's slice of a stacked
+  parameter) is gathered from the devices."""
+  value = var.get_value()
+  if layer is not None:
+    value = value[layer]
+  host = np.asarray(jax.device_get(value)).astype(np.float32)
+  return _to_hf(kind, host).astype(_NP_DTYPES[dtype])
+
+
+def iter_hf_tensors(model: Qwen3, dtype: str = "bfloat16"):
+  """(HF name, host numpy array) one tensor at a time, layer by layer: what streams a
+  sharded model to disk without the whole of it on one host."""
+  for name, var, layer, kind in _hf_order(model.cfg, model):
+    yield name, _hf_value(var, layer, kind, dtype)
+
+
 def hf_tensors(model: Qwen3, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-  """Our parameters as HF-named host numpy arrays (gathers sharded arrays)."""
-  cfg = model.cfg
-  np_dtype = _NP_DTYPES[dtype]
-  out = {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    key = _state_key(path)
-    spec = _TABLE[key]
-    value = np.asarray(jax.device_get(var.get_value())).astype(np.float32)
-    if spec.layered:
-      for i in range(cfg.num_hidden_layers):
-        out[spec.hf.format(i=i)] = _to_hf(spec.kind, value[i]).astype(np_dtype)
-    else:
-      out[spec.hf] = _to_hf(spec.kind, value).astype(np_dtype)
-  return out
+  """Our parameters as HF-named host numpy arrays (all of them at once: small models,
+  tests; `save_hf` streams instead)."""
+  return dict(iter_hf_tensors(model, dtype))
 
 
 def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
@@ -394,29 +424,33 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
     raise ValueError(f"save_hf: chat_template must be a non-empty string, got "
                      f"{chat_template!r:.80}")
   os.makedirs(out_dir, exist_ok=True)
-  tensors = hf_tensors(model, dtype)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name, arr in tensors.items():
-    if shards[-1] and size + arr.nbytes > max_shard_bytes:
-      shards.append({})
+  # Shards are planned from shapes, then filled one at a time, so that at most one
+  # shard (<= max_shard_bytes) is on the host while it is written.
+  plan: list[list[tuple]] = [[]]
+  size = total = 0
+  for name, var, layer, kind in _hf_order(model.cfg, model):
+    _, nbytes = _hf_nbytes(var, layer, kind, dtype)
+    if plan[-1] and size + nbytes > max_shard_bytes:
+      plan.append([])
       size = 0
-    shards[-1][name] = arr
-    size += arr.nbytes
+    plan[-1].append((name, var, layer, kind))
+    size += nbytes
+    total += nbytes
   written = []
-  if len(shards) == 1:
+  if len(plan) == 1:
     names = ["model.safetensors"]
   else:
-    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    names = [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
   weight_map = {}
-  for fname, shard in zip(names, shards):
+  for fname, entries in zip(names, plan):
+    shard = {name: _hf_value(var, layer, kind, dtype) for name, var, layer, kind in entries}
     tmp = os.path.join(out_dir, fname + ".tmp")
     save_file(shard, tmp, metadata={"format": "pt"})
+    del shard
     written.append((tmp, os.path.join(out_dir, fname)))
-    weight_map.update({k: fname for k in shard})
-  if len(shards) > 1:
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-             "weight_map": weight_map}
+    weight_map.update({name: fname for name, *_ in entries})
+  if len(plan) > 1:
+    index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
     tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
     with open(tmp, "w") as f:
       json.dump(index, f, indent=2)

@@ -9,6 +9,7 @@ an evaluation. The same stream always gives the same rollouts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 from typing import Sequence
 
@@ -63,6 +64,20 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
       t.meta["problem_uid"] = p.uid
     groups.append(group)
   return groups
+
+
+def check_weight_versions(trajs: Sequence[agent_loop.Trajectory], version: str | None,
+                          where: str = "") -> None:
+  """Rollouts of the current weights only: a trajectory generated (in part) with other
+  weights than `version` raises, naming the versions seen; it is never trained on
+  silently. Trajectories whose engines report no version are not checked."""
+  bad = collections.Counter(" -> ".join(t.weight_versions) for t in trajs
+                            if t.weight_versions and t.weight_versions != [version])
+  if bad:
+    raise RuntimeError(
+        f"{where + ': ' if where else ''}{sum(bad.values())} of {len(trajs)} trajectories were "
+        f"not generated with the current weights {version!r} (versions seen: {dict(bad)}); "
+        f"the engines missed a weight sync")
 
 
 def metrics(trajs: Sequence[agent_loop.Trajectory], prefix: str = "rollout/"

@@ -121,8 +121,8 @@ class RLTrainer:
                                           temperature=agent.temperature, mesh=mesh,
                                           rules=rules)
                        if config.old_logprobs == "recompute" else None)
-    self.engines.update_weights(self.state.params)
     self.step = 0
+    self._sync_weights()
     self._state_ok = True     # False while a donated state is inside the jitted step
     self.last_trajectories: list[agent_loop.Trajectory] = []
 
@@ -134,7 +134,7 @@ class RLTrainer:
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
     self.data.restore(meta["data"])
     self.step = int(meta["step"])
-    self.engines.update_weights(self.state.params)
+    self._sync_weights()
     self.writer.truncate_after(self.step)
     logging.info("resumed RL from %s at step %d", self.ckpt.directory, self.step)
     return True
@@ -150,7 +150,7 @@ class RLTrainer:
     finally:
       other.close()
     self.state = core.TrainState(self.state.step, state.params, state.opt_state)
-    self.engines.update_weights(self.state.params)
+    self._sync_weights()
     return True
 
   def save(self) -> None:
@@ -160,6 +160,17 @@ class RLTrainer:
 
   def params(self):
     return self.state.params
+
+  def weight_version(self, step: int | None = None) -> str:
+    """The name of the policy after `step` updates of this stage (`stage1-step12`)."""
+    stage = os.path.basename(os.path.normpath(self.workdir))
+    return f"{stage}-step{self.step if step is None else step}"
+
+  def _sync_weights(self, step: int | None = None) -> None:
+    """Engines generate with the current parameters, named by the step they follow."""
+    self.version = self.weight_version(step)
+    self.engines.update_weights(self.state.params, self.version)
+
 
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)
@@ -200,6 +211,7 @@ class RLTrainer:
     groups = self.rollouts(batch, step)
     t_roll = time.perf_counter() - t0
     flat = [t for g in groups for t in g]
+    rollouts.check_weight_versions(flat, self.version, f"step {step}")
     metrics = rollouts.metrics(flat)
     self.last_trajectories = flat
 
@@ -243,7 +255,8 @@ class RLTrainer:
                                f"batch saved to {path}; last checkpoint is intact")
     self.state = new_state
     self._state_ok = True
-    self.engines.update_weights(self.state.params)
+    self._sync_weights(step + 1)
+    metrics.update(getattr(self.engines, "sync_metrics", dict)())
     metrics.update({f"train/{k}": float(v) for k, v in m.items()})
     metrics["train/learning_rate"] = float(optim.make_schedule(config.optimizer)(step))
     metrics["time/train_s"] = time.perf_counter() - t1

@@ -61,6 +61,9 @@ class Trajectory:
   tool_s: float = 0.0
   answer_tags: int = 0
   reward: float | None = None
+  # Distinct policy weight versions its turns were generated with (in order); more
+  # than one means the weights changed mid-trajectory.
+  weight_versions: list[str] = dataclasses.field(default_factory=list)
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
@@ -106,6 +109,9 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
     traj.response_ids += out.output_ids
     traj.response_mask += [1] * len(out.output_ids)
     traj.response_logprobs += list(out.logprobs)
+    version = getattr(out, "weight_version", None)
+    if version is not None and version not in traj.weight_versions:
+      traj.weight_versions.append(version)
     traj.turns.append((start, len(traj.response_ids)))
     turn = proto.parse_turn(out.output_ids)
     traj.answer_tags += turn.answer_tags

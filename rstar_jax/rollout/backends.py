@@ -5,18 +5,21 @@ an engine themselves. A backend is a function `(RolloutConfig, model) -> [Engine
 registered under its `rollout.backend` name: `jax` (in-process JaxEngines reading the
 trainer's parameters), `sglang` (SGLang 0.5.23 servers at `rollout.servers`) and
 `server` (our own JAX rollout servers, `python -m rstar_jax.rollout.server`, same API).
-HTTP engines take new weights from disk (`sglang_engine.update_weights_from_disk`),
-not through `pool.update_weights(params)`.
+HTTP engines take new weights from disk: their pool's `update_weights(params, version)`
+writes a versioned HF checkpoint under `rollout.weight_sync.dir` and moves every server
+onto it (`weight_sync.DiskWeightSync`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Sequence
 
 from rstar_jax.registry import Registry
 from rstar_jax.rollout import scheduler
 from rstar_jax.rollout.engine import Engine
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
+from rstar_jax.rollout.weight_sync import DiskWeightSync, WeightSyncConfig
 
 Backend = Callable[["RolloutConfig", object], Sequence[Engine]]
 BACKENDS: Registry = Registry("rollout backend")
@@ -31,12 +34,15 @@ class RolloutConfig:
     engine: the JaxEngine's KV slots and cache length (jax backend).
     servers: base URLs of the rollout servers (sglang and server backends), e.g.
       ("http://node1:30000", "http://node2:30000"); one engine per URL.
+    weight_sync: how those servers get the trainer's weights (a versioned checkpoint
+      on storage they read).
   """
   backend: str = "jax"
   num_engines: int = 1
   scheduler_policy: str = "kv_capacity"
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   servers: tuple[str, ...] = ()
+  weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
 
   def __post_init__(self):
     BACKENDS.lookup(self.backend)            # raises naming the known backends
@@ -75,7 +81,16 @@ def _http_engines(cfg: RolloutConfig, model) -> list[Engine]:
   return sglang_engine.connect(cfg.servers, expected_model=expected)
 
 
-def build_engine_pool(cfg: RolloutConfig, model=None) -> scheduler.EnginePool:
-  """The engines of `cfg.backend` behind one scheduler. Stop it with `pool.stop()`."""
+def build_engine_pool(cfg: RolloutConfig, model=None, *, workdir: str | None = None
+                      ) -> scheduler.EnginePool:
+  """The engines of `cfg.backend` behind one scheduler. Stop it with `pool.stop()`.
+
+  HTTP backends with a `model` get a DiskWeightSync writing to `cfg.weight_sync.dir`, or
+  to `<workdir>/weight_sync` when that is empty."""
   engines = BACKENDS.lookup(cfg.backend)(cfg, model)
-  return scheduler.EnginePool(engines, policy=cfg.scheduler_policy)
+  sync = None
+  if cfg.backend in _HTTP_BACKENDS and model is not None:
+    directory = cfg.weight_sync.dir or (os.path.join(workdir, "weight_sync") if workdir else "")
+    if directory:
+      sync = DiskWeightSync(cfg.weight_sync, model, engines, directory)
+  return scheduler.EnginePool(engines, policy=cfg.scheduler_policy, weight_sync=sync)

@@ -43,6 +43,7 @@ class GenerationResult:
   prompt_tokens: int
   reused_prefix_tokens: int
   queue_wait_s: float
+  weight_version: str | None = None   # the policy weights it was generated with, if known
 
 
 
@@ -57,7 +58,7 @@ class Engine(Protocol):
 
   def num_active(self) -> int: ...
 
-  def update_weights(self, params) -> None:
-    """Generate with these policy parameters from the next request on."""
+  def update_weights(self, params, version: str | None = None) -> None:
+    """Generate with these policy parameters (named `version`) from the next request on."""
 
   def stop(self) -> None: ...

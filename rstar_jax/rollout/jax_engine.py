@@ -105,16 +105,20 @@ class JaxEngine:
     self._stop = False
     self.metrics = collections.Counter()
     self._t_start = time.perf_counter()
+    self.weight_version: str | None = None
 
   # ---- Public API ------------------------------------------------------------
   @property
   def max_len(self) -> int:
     return self.config.max_len
 
-  def update_weights(self, state) -> None:
-    """Uses `state` (an nnx State of the same graph) from the next step on."""
+  def update_weights(self, state, version: str | None = None) -> None:
+    """Uses `state` (an nnx State of the same graph) from the next step on; results
+    generated from then on carry `version` (unchanged when None)."""
     with self._lock:
       self.state = state
+      if version is not None:
+        self.weight_version = str(version)
       # Cached k/v were computed with the old weights: never reuse them.
       for s in self.slots:
         if s.request is None:
@@ -268,7 +272,7 @@ class JaxEngine:
     result = GenerationResult(
         request_id=req.request_id, output_ids=s.out_ids, logprobs=s.out_logps,
         finish_reason=reason, prompt_tokens=len(req.input_ids), reused_prefix_tokens=s.reused,
-        queue_wait_s=s.wait_s)
+        queue_wait_s=s.wait_s, weight_version=self.weight_version)
     fut = s.future
     with self._lock:
       s.request, s.future = None, None

@@ -57,10 +57,15 @@ class EnginePool:
 
   name = "pool"
 
-  def __init__(self, engines: Sequence[Engine], policy: str = "kv_capacity"):
+  def __init__(self, engines: Sequence[Engine], policy: str = "kv_capacity", *,
+               weight_sync=None):
+    """`weight_sync`: for engines that read weights from disk (HTTP servers), an object
+    whose `publish(params, version)` moves them onto new parameters
+    (`rollout.weight_sync.DiskWeightSync`); None: `engine.update_weights` each."""
     if not engines:
       raise ValueError("EnginePool needs at least one engine")
     self.engines = list(engines)
+    self.weight_sync = weight_sync
     self.policy_name = policy
     self._pick = get_policy(policy)
     self.metrics: dict[str, collections.Counter] = {
@@ -91,10 +96,18 @@ class EnginePool:
     """The longest sequence (prompt + response) every engine of the pool can hold."""
     return min(e.max_len for e in self.engines)
 
-  def update_weights(self, params) -> None:
-    """New policy parameters for every engine (in process: a reference, no copy)."""
+  def update_weights(self, params, version: str | None = None) -> None:
+    """New policy parameters for every engine (in process: a reference, no copy;
+    HTTP servers: through `weight_sync`, a versioned checkpoint on disk)."""
+    if self.weight_sync is not None:
+      self.weight_sync.publish(params, version)
+      return
     for e in self.engines:
-      e.update_weights(params)
+      e.update_weights(params, version)
+
+  def sync_metrics(self) -> dict[str, float]:
+    """Seconds and GB of the latest weight sync through disk ({} in process)."""
+    return dict(self.weight_sync.last) if self.weight_sync is not None else {}
 
   def stop(self) -> None:
     for e in self.engines:

@@ -481,6 +481,7 @@ class RolloutServer:
         self._updating = True
         await self._cond.wait_for(lambda: self._active == 0)
     try:
+      t0 = time.perf_counter()
       try:
         model = await self._in_thread(self._load_same_architecture, os.path.abspath(path))
       except (ValueError, OSError) as e:
@@ -493,6 +494,8 @@ class RolloutServer:
       if version is not None:
         self.weight_version = version
         message += f" Weight version updated to {version}."
+      log.info("weights from %s (version %s) in %.2f s", self.model_path, self.weight_version,
+               time.perf_counter() - t0)
       return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
     finally:
       if not paused:

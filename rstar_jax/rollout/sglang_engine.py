@@ -192,7 +192,6 @@ def update_weights_body(model_path: str, weight_version: str, *,
 class ServedResult(GenerationResult):
   """A GenerationResult plus where and with which weights it was generated."""
   server: str = ""
-  weight_version: str | None = None
   rid: str = ""
 
 
@@ -426,10 +425,11 @@ class SGLangEngine:
     with self._lock:
       return len(self._inflight)
 
-  def update_weights(self, params) -> None:
+  def update_weights(self, params, version: str | None = None) -> None:
     raise NotImplementedError(
-        f"{self.name}: an HTTP engine cannot take in-memory parameters. Write a HF "
-        f"checkpoint (rstar_jax.model.hf_io.save_hf) to storage the server can read and call "
+        f"{self.name}: an HTTP engine cannot take in-memory parameters. Build the pool with "
+        f"rollout.backends.build_engine_pool(cfg, model, weight_dir=...) (its DiskWeightSync "
+        f"writes a HF checkpoint the servers read), or call "
         f"rstar_jax.rollout.sglang_engine.update_weights_from_disk(engines, dir, version) "
         f"(pause -> /update_weights_from_disk -> continue -> /model_info confirms).")
 

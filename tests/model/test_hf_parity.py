@@ -97,6 +97,40 @@ def test_round_trip_jax_to_hf_dir_to_transformers(tmp_path, tied):
   np.testing.assert_array_equal(again_logits, ours)
 
 
+def test_export_streams_one_layer_slice_and_one_shard_at_a_time(tmp_path, monkeypatch):
+  """save_hf gathers one tensor (one layer's slice of a stacked parameter) at a time and
+  holds at most one shard on the host: what lets a sharded model be written for weight
+  sync without gathering all of it."""
+  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=40,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, tie_word_embeddings=False)
+  model = qwen3.create_model(cfg, seed=1)
+  gathered, shards = [], []
+  real_value, real_save = hf_io._hf_value, hf_io.save_file
+
+  def value(var, layer, kind, dtype):
+    out = real_value(var, layer, kind, dtype)
+    gathered.append((layer, out.nbytes, var.get_value().nbytes))
+    return out
+
+  def save(tensors, path, metadata=None):
+    shards.append(sum(a.nbytes for a in tensors.values()))
+    return real_save(tensors, path, metadata=metadata)
+
+  monkeypatch.setattr(hf_io, "_hf_value", value)
+  monkeypatch.setattr(hf_io, "save_file", save)
+  limit = 12_000
+  hf_io.save_hf(model, str(tmp_path / "x"), dtype="float32", max_shard_bytes=limit)
+  layered = [g for g in gathered if g[0] is not None]
+  assert len(layered) == 11 * 3 and all(got * 3 == whole for _, got, whole in layered)
+  biggest = max(got for _, got, _ in gathered)
+  assert len(shards) > 3 and all(b <= max(limit, biggest) for b in shards)
+  assert sum(shards) == sum(got for _, got, _ in gathered)
+  np.testing.assert_array_equal(
+      np.asarray(qwen3.forward_logits(hf_io.load_hf(str(tmp_path / "x")), jnp.ones((1, 4), int))),
+      np.asarray(qwen3.forward_logits(model, jnp.ones((1, 4), int))))
+
+
 def test_bf16_export_loads_in_transformers(tmp_path):
   cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24,
                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

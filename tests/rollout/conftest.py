@@ -210,18 +210,22 @@ SERVER_SLOTS, SERVER_MAX_LEN, SERVER_BUCKET = 4, 256, 256
 class ServerProcess:
   """`python -m rstar_jax.rollout.server` on 127.0.0.1, started without waiting."""
 
-  def __init__(self, hf_dir: str, log_dir: str, name: str):
+  def __init__(self, hf_dir: str, log_dir: str, name: str, *, num_slots: int = SERVER_SLOTS,
+               max_len: int = SERVER_MAX_LEN, bucket: int = SERVER_BUCKET,
+               one_device: bool = False):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = os.path.join(log_dir, f"server_{name}.log")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RSTAR_COMPILE_CACHE=os.environ.get(
                    "RSTAR_COMPILE_CACHE", os.path.join("/tmp", "rstar_jax_test_compile_cache")))
+    if one_device:
+      env.pop("XLA_FLAGS", None)   # as the recipe's own process runs in tests/test_recipe.py
     self._log = open(self.log_path, "w")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
-         "--port", str(self.port), "--num_slots", str(SERVER_SLOTS),
-         "--max_len", str(SERVER_MAX_LEN), "--min_prefill_bucket", str(SERVER_BUCKET)],
+         "--port", str(self.port), "--num_slots", str(num_slots),
+         "--max_len", str(max_len), "--min_prefill_bucket", str(bucket)],
         cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
   def wait_ready(self, timeout: float = 240.0) -> None:

@@ -324,3 +324,55 @@ def test_server_backend_builds_the_pool(served):
   other = qwen3.create_model(_wider(served["cfg"]))
   with pytest.raises(se.ServerMismatchError, match="hidden_size=32 \\(trainer: 48\\)"):
     build_engine_pool(RolloutConfig(backend="sglang", servers=(url,)), other)
+
+
+def test_pool_weight_sync_through_disk_moves_every_server(served, tmp_path, sglang_schema):
+  """pool.update_weights(params, version) with backend=server: a versioned checkpoint is
+  written (complete before it is named), both servers pause -> update -> continue and
+  confirm the version, and what they serve follows the new parameters exactly."""
+  from flax import nnx
+  from rstar_jax.rollout.weight_sync import WeightSyncConfig
+  a, b = served["servers"]["a"], served["servers"]["b"]
+  m1, m2 = served["models"]["m1"], served["models"]["m2"]
+  cfg = RolloutConfig(backend="server", servers=(a.url, b.url),
+                      weight_sync=WeightSyncConfig(dtype="float32", keep=2))
+  pool = build_engine_pool(cfg, m1, workdir=str(tmp_path))
+  reqs = [GenerationRequest(input_ids=[7 + i, 11, 30 + i], max_new_tokens=10, seed=100 + i,
+                            temperature=1.0, request_id=f"sync{i}") for i in range(4)]
+
+  async def gen_all():
+    return await asyncio.gather(*(pool.generate(r) for r in reqs))
+  try:
+    assert pool.sync_metrics() == {}
+    pool.update_weights(nnx.state(m2), "stage1-step1")
+    sync_dir = tmp_path / "weight_sync"
+    assert sorted(p.name for p in sync_dir.iterdir()) == ["stage1-step1"]
+    assert (sync_dir / "stage1-step1" / "config.json").exists()
+    for e in pool.engines:
+      info = e.get_model_info()
+      assert info["weight_version"] == "stage1-step1"
+      assert info["model_path"] == str(sync_dir / "stage1-step1")
+      sglang_schema.check_model_info(info)
+    got = asyncio.run(gen_all())
+    assert {r.weight_version for r in got} == {"stage1-step1"}
+    local = local_engine(m2)
+    try:
+      want = local.generate_sync(reqs)
+    finally:
+      local.stop()
+    for g, w in zip(got, want):
+      assert g.output_ids == w.output_ids
+      np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+    m = pool.sync_metrics()
+    size = sum(f.stat().st_size for f in (sync_dir / "stage1-step1").iterdir())
+    assert m["sync/gb"] == pytest.approx(size / 1e9) and m["sync/servers"] == 2.0
+    assert 0 < m["sync/write_s"] <= m["sync/total_s"]
+    # Older versions are removed beyond `keep`; the served one stays.
+    pool.update_weights(nnx.state(m1), "stage1-step2")
+    pool.update_weights(nnx.state(m1), "stage1-step3")
+    assert sorted(p.name for p in sync_dir.iterdir()) == ["stage1-step2", "stage1-step3"]
+    back = asyncio.run(gen_all())
+    assert {r.weight_version for r in back} == {"stage1-step3"}
+    assert back[0].logprobs != got[0].logprobs
+  finally:
+    pool.stop()

@@ -1,0 +1,111 @@
+"""Trained weights to rollout servers through disk: a versioned HF checkpoint, then
+pause -> /update_weights_from_disk -> continue on every server, version confirmed.
+
+The trainer is JAX and SGLang is torch: a HF safetensors checkpoint on storage every
+server reads (shared disk on a cluster) is the transport that needs neither torch on
+the trainer nor the same host (slime documents the same route for other vendors'
+engines). Each version is written under a temporary name and renamed when complete,
+so a server never reads half a checkpoint; `hf_io.save_hf` streams the parameters one
+tensor (one layer's slice) at a time, so the whole model is never gathered on one
+host. Old versions are removed, the served one and `keep - 1` before it kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Any, Sequence
+
+from rstar_jax.model import hf_io
+
+log = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+  """Attributes:
+    dir: where versioned checkpoints go (`<dir>/<version>/`); every rollout server must
+      read it at the same path (shared storage on a cluster). "" = `<workdir>/weight_sync`
+      of the run.
+    dtype: the checkpoint's dtype (bfloat16 halves the bytes of float32; servers load
+      it in their own dtype).
+    keep: versions kept on disk, the served one included (>= 1).
+  """
+  dir: str = ""
+  dtype: str = "bfloat16"
+  keep: int = 2
+
+  def __post_init__(self):
+    if self.dtype not in ("bfloat16", "float16", "float32"):
+      raise ValueError(f"WeightSyncConfig.dtype must be bfloat16, float16 or float32, "
+                       f"got {self.dtype!r}")
+    if self.keep < 1:
+      raise ValueError(f"WeightSyncConfig.keep must be >= 1, got {self.keep}")
+
+
+def version_dirname(version: str) -> str:
+  name = _SAFE.sub("_", str(version)).strip("._")
+  if not name:
+    raise ValueError(f"weight version {version!r} gives an empty directory name")
+  return name
+
+
+class DiskWeightSync:
+  """Publishes policy parameters to HTTP engines: `publish(params, version)`.
+
+  `model` gives the graph (and config) the parameters belong to; `engines` are the
+  SGLangEngines to update. `last` holds the figures of the latest sync.
+  """
+
+  def __init__(self, cfg: WeightSyncConfig, model, engines: Sequence[Any], directory: str):
+    from flax import nnx
+    if not directory:
+      raise ValueError("DiskWeightSync: no directory (set rollout.weight_sync.dir to storage "
+                       "every rollout server reads)")
+    self.cfg = cfg
+    self.graphdef = nnx.graphdef(model)
+    self.engines = list(engines)
+    self.directory = os.path.abspath(directory)
+    self.published: list[str] = []    # directories written, oldest first
+    self.version: str | None = None
+    self.last: dict[str, float] = {}
+    self._count = 0
+
+  def publish(self, params, version: str | None = None) -> dict[str, float]:
+    """Writes `params` as checkpoint `version` and moves every server onto it."""
+    from flax import nnx
+    from rstar_jax.rollout import sglang_engine
+    self._count += 1
+    version = str(version) if version is not None else f"v{self._count}"
+    final = os.path.join(self.directory, version_dirname(version))
+    tmp = f"{final}.tmp-{os.getpid()}"
+    t0 = time.perf_counter()
+    shutil.rmtree(tmp, ignore_errors=True)    # a crashed earlier attempt
+    os.makedirs(self.directory, exist_ok=True)
+    model = nnx.merge(self.graphdef, params)
+    hf_io.save_hf(model, tmp, dtype=self.cfg.dtype)
+    nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+    if os.path.exists(final):                 # the same version again (a resumed run)
+      shutil.rmtree(final)
+    os.replace(tmp, final)
+    t1 = time.perf_counter()
+    per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
+    t2 = time.perf_counter()
+    self.version = version
+    if final in self.published:
+      self.published.remove(final)
+    self.published.append(final)
+    while len(self.published) > self.cfg.keep:
+      shutil.rmtree(self.published.pop(0), ignore_errors=True)
+    gb = nbytes / 1e9
+    self.last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
+                 "sync/gb": gb, "sync/servers": float(len(per_server)),
+                 "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
+    log.info("weight sync %s: %.3f GB written in %.2f s, %d server(s) updated in %.2f s",
+             version, gb, t1 - t0, len(per_server), t2 - t1)
+    return self.last
