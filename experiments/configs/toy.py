@@ -43,7 +43,7 @@ def get_config(variant: str = ""):
   c.data = s(recipe.sources.DataConfig, kind="toy",
              toy=dict(levels=(1, 2), kinds=(), train_problems=2000, eval_problems=128))
   c.tools = s(recipe.tools_lib.ToolsConfig, local_max_children=2, timeout_s=5.0)
-  c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="kv_capacity",
+  c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
                 engine=dict(num_slots=64, max_len=384))
 
   # ~1800 steps of 14 x 288 packed tokens (~7 min on 2 cores). 10,000 distinct traces

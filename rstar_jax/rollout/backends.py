@@ -30,7 +30,8 @@ class RolloutConfig:
   """Attributes:
     backend: a registered backend name ("jax").
     num_engines: engines behind the scheduler.
-    scheduler_policy: how requests are spread over the engines (see scheduler.POLICIES).
+    scheduler_policy: how requests are spread over the engines (see scheduler.POLICIES;
+      "sticky": a trajectory's turns stay on the engine holding its prefix).
     engine: the JaxEngine's KV slots and cache length (jax backend).
     servers: base URLs of the rollout servers (sglang and server backends), e.g.
       ("http://node1:30000", "http://node2:30000"); one engine per URL.
@@ -39,7 +40,7 @@ class RolloutConfig:
   """
   backend: str = "jax"
   num_engines: int = 1
-  scheduler_policy: str = "kv_capacity"
+  scheduler_policy: str = "sticky"
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   servers: tuple[str, ...] = ()
   weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)

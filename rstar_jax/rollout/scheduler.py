@@ -5,11 +5,14 @@ the engine with the most free KV-cache capacity, instead of splitting the batch
 evenly up front: trajectory lengths differ by orders of magnitude, so a static split
 leaves some engines idle while others queue. Tool calls are dispatched by the agent
 loop the moment a turn ends (each trajectory is its own asyncio task), so engines
-keep decoding the other trajectories meanwhile.
+keep decoding the other trajectories meanwhile. The default policy, `sticky`, sends a
+trajectory's later turns back to the engine holding its KV prefix (JaxEngine's slot
+cache, SGLang's radix cache) unless that engine is full, and places the rest by free
+KV capacity.
 
 Engines are anything with `async generate(request)`, `free_kv_tokens()`,
-`num_active()` and a `name`: several JaxEngines on separate device sets now,
-SGLang servers later. Policies are a registry picked by config string.
+`num_active()` and a `name`: JaxEngines in this process, SGLang or our own rollout
+servers over HTTP. Policies are a registry picked by config string.
 """
 from __future__ import annotations
 
@@ -37,6 +40,42 @@ def _kv_capacity() -> Policy:
     # Most free KV tokens; ties go to the engine with fewer running requests.
     return max(range(len(engines)),
                key=lambda i: (engines[i].free_kv_tokens(), -engines[i].num_active()))
+  return pick
+
+
+def _need(engine, request: GenerationRequest) -> int:
+  """KV tokens the request may take on `engine` (prompt + budget, at most a slot)."""
+  need = len(request.input_ids) + request.max_new_tokens
+  cap = getattr(engine, "max_len", 0)
+  return min(need, cap) if cap else need
+
+
+def trajectory_of(request: GenerationRequest) -> tuple[str, int] | None:
+  """(trajectory uid, turn) of an agent-loop request id '<uid>/turn<k>', else None."""
+  uid, sep, turn = (request.request_id or "").rpartition("/turn")
+  return (uid, int(turn)) if sep and uid and turn.isdigit() else None
+
+
+@register("sticky")
+def _sticky() -> Policy:
+  """Prefix-aware: a trajectory's later turns go back to the engine that served its
+  previous turn (its KV prefix is cached there, so only the new tokens are prefilled),
+  unless that engine cannot take the request now; first turns, requests of no
+  trajectory and displaced turns take the kv_capacity choice."""
+  by_uid: dict[str, int] = {}
+  free_kv = _kv_capacity()
+
+  def pick(engines, request):
+    key = trajectory_of(request)
+    if key is not None and key[1] > 0:
+      i = by_uid.get(key[0])
+      if i is not None and i < len(engines) and \
+          engines[i].free_kv_tokens() >= _need(engines[i], request):
+        return i
+    i = free_kv(engines, request)
+    if key is not None:
+      by_uid[key[0]] = i
+    return i
   return pick
 
 
