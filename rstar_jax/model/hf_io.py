@@ -15,6 +15,7 @@ HF Linear weights are [out, in]; ours are [in, out] with heads split out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -375,14 +376,29 @@ def _hf_nbytes(var, layer: int | None, kind: str, dtype: str) -> tuple[tuple[int
   return hf_shape, int(np.prod(hf_shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
 
 
+@functools.partial(jax.jit, static_argnames=("layer", "kind", "dtype"))
+def _hf_layout(value, *, layer: int | None, kind: str, dtype: str):
+  """On the devices: one layer's slice, in HF's layout and dtype (XLA casts and
+  transposes far faster than numpy, and only the converted bytes leave the device)."""
+  if layer is not None:
+    value = value[layer]
+  value = value.astype(jnp.float32)
+  if kind == "T":
+    value = value.T
+  elif kind == "T_split_out":
+    h, n, d = value.shape
+    value = value.reshape(h, n * d).T
+  elif kind == "T_split_in":
+    n, d, h = value.shape
+    value = value.reshape(n * d, h).T
+  return value.astype(jnp.dtype(_NP_DTYPES[dtype]))
+
+
 def _hf_value(var, layer: int | None, kind: str, dtype: str) -> np.ndarray:
   """One HF tensor on the host: only this tensor (one layer's slice of a stacked
   parameter) is gathered from the devices."""
-  value = var.get_value()
-  if layer is not None:
-    value = value[layer]
-  host = np.asarray(jax.device_get(value)).astype(np.float32)
-  return _to_hf(kind, host).astype(_NP_DTYPES[dtype])
+  out = _hf_layout(var.get_value(), layer=layer, kind=kind, dtype=dtype)
+  return np.ascontiguousarray(jax.device_get(out))
 
 
 def iter_hf_tensors(model: Qwen3, dtype: str = "bfloat16"):
