@@ -10,7 +10,6 @@ model is loaded from the directory our model was exported to). Runs alternate
 between the two (A, B, A, B, ...) so machine noise hits both equally; the table
 reports medians and the ratio. Not a test: nothing here is asserted.
 """
-import json
 import os
 import statistics
 import tempfile
@@ -18,6 +17,8 @@ import time
 
 from absl import app
 from absl import flags
+
+from experiments import results_json
 
 flags.DEFINE_integer("layers", 4, "decoder layers")
 flags.DEFINE_integer("hidden", 256, "hidden size")
@@ -119,11 +120,7 @@ def main(_):
             "ratio_jax_over_torch": {"wall_median": med["torch"] / med["jax"],
                                      "wall_best": min(times["torch"]) / min(times["jax"]),
                                      "cpu": cmed["torch"] / cmed["jax"]}}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"figures written to {FLAGS.out}")
+  results_json.write(FLAGS.out, result)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -36,6 +35,8 @@ import time
 
 from absl import app
 from absl import flags
+
+from experiments import results_json
 
 flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("vocab", 0, "(a) vocabulary size; 0 = the preset's")
@@ -375,11 +376,7 @@ def main(_):
     result["agent"] = bench_agent()
   result["load_average_end"] = os.getloadavg()
   print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1, default=float)
-    print(f"figures written to {FLAGS.out}")
+  results_json.write(FLAGS.out, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ The machine may be shared: the load average is printed with the results. Not a t
 nothing is asserted.
 """
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ import urllib.request
 
 from absl import app
 from absl import flags
+
+from experiments import results_json
 
 flags.DEFINE_integer("requests", 64, "(a) requests per run")
 flags.DEFINE_integer("prompt_len", 64, "(a) prompt tokens per request")
@@ -78,7 +79,6 @@ def _wait(url, proc, log_path, timeout=300):
 
 def main(argv):
   del argv
-  import jax
   import numpy as np
   from flax import nnx
 
@@ -217,11 +217,7 @@ def main(argv):
             "sync_num_params": big_cfg.num_params,
             "wall_s": walls, "tokens": tokens, "tokens_per_s": tps,
             "servers_over_in_process": ratio, "sync": summary, "sync_runs": syncs}
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"figures written to {FLAGS.out}")
+  results_json.write(FLAGS.out, result)
 
 
 if __name__ == "__main__":
