@@ -19,6 +19,7 @@ from absl import app
 from absl import flags
 
 from experiments import results_json
+from experiments import roofline
 
 flags.DEFINE_integer("layers", 4, "decoder layers")
 flags.DEFINE_integer("hidden", 256, "hidden size")
@@ -29,6 +30,7 @@ flags.DEFINE_integer("seq", 256, "sequence length")
 flags.DEFINE_integer("batch", 8, "batch size")
 flags.DEFINE_integer("repeats", 5, "timed repeats per side (after one warm-up)")
 flags.DEFINE_integer("threads", 0, "torch intra-op threads (0 = all cores)")
+flags.DEFINE_integer("peak_n", 1024, "matmul size of the machine's measured dense peak")
 flags.DEFINE_string("out", "/tmp/bench_model.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
@@ -96,7 +98,14 @@ def main(_):
       times[name].append(time.perf_counter() - t)
       cpu[name].append(time.process_time() - c)
   ntok = FLAGS.batch * FLAGS.seq
+  # The machine's limit, measured now, and XLA's FLOP count of this very step.
+  peak = roofline.matmul_peak_gflops(FLAGS.peak_n)
+  cost = roofline.xla_cost(step, state, jtok)
   med = {k: statistics.median(v) for k, v in times.items()}
+  roof = {"peak_gflops": peak, "peak_matmul_n": FLAGS.peak_n, "xla_flops": cost["flops"],
+          "xla_bytes_accessed": cost["bytes_accessed"],
+          "jax": roofline.row("jax", cost["flops"], med["jax"], peak),
+          "torch_same_flops": roofline.row("torch", cost["flops"], med["torch"], peak)}
   cmed = {k: statistics.median(v) for k, v in cpu.items()}
   print(f"\nQwen3 fwd+bwd, {FLAGS.layers} layers, hidden {FLAGS.hidden}, heads "
         f"{FLAGS.heads}/{FLAGS.kv_heads}, vocab {FLAGS.vocab}, batch {FLAGS.batch} x seq "
@@ -110,12 +119,17 @@ def main(_):
   print(f"ratio jax/torch tokens/s (wall, median): {med['torch'] / med['jax']:.2f}x; "
         f"(wall, best): {min(times['torch']) / min(times['jax']):.2f}x; "
         f"(CPU time): {cmed['torch'] / cmed['jax']:.2f}x")
+  print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s ({FLAGS.peak_n}^3); XLA counts "
+        f"{cost['flops'] / 1e9:.2f} GFLOP per step -> jax {roof['jax']['gflops']:.1f} GFLOP/s = "
+        f"{100 * roof['jax']['fraction_of_peak']:.0f}% of peak; torch at the same FLOPs "
+        f"{roof['torch_same_flops']['gflops']:.1f} GFLOP/s = "
+        f"{100 * roof['torch_same_flops']['fraction_of_peak']:.0f}%")
   result = {"benchmark": "bench_model", "flags": {k: getattr(FLAGS, k) for k in (
                 "layers", "hidden", "heads", "kv_heads", "vocab", "seq", "batch", "repeats")},
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg(), "tokens_per_step": ntok,
             "loss": {"jax": lj, "torch": lt}, "jax_compile_s": compile_s,
-            "wall_s": times, "cpu_s": cpu,
+            "wall_s": times, "cpu_s": cpu, "roofline": roof,
             "tokens_per_s": {k: ntok / med[k] for k in med},
             "ratio_jax_over_torch": {"wall_median": med["torch"] / med["jax"],
                                      "wall_best": min(times["torch"]) / min(times["jax"]),

@@ -37,6 +37,7 @@ from absl import app
 from absl import flags
 
 from experiments import results_json
+from experiments import roofline
 
 flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("vocab", 0, "(a) vocabulary size; 0 = the preset's")
@@ -194,7 +195,36 @@ def bench_generate():
         f"({each['_decode']:.2f} ms each), host Python "
         f"{host / reps:.3f} s ({100 * host / total:.0f}%)")
   print(f"    torch per generated position: {1e3 * med['torch'] / n:.2f} ms for the whole batch")
-  return {"batch": b, "prompt_len": p, "new_tokens": n, "preset": FLAGS.preset,
+  # Roofline of one decode step (b rows): useful FLOPs (every weight once per row, the
+  # head included, plus attention over the filled part, on average p + n/2 positions)
+  # and bytes (every weight once, plus the k/v the step reads: whole slots of max_len,
+  # since attention does not skip the unfilled part).
+  peak = roofline.matmul_peak_gflops()
+  bandwidth = roofline.memory_bandwidth_gbs()
+  head = cfg.vocab_size * cfg.hidden_size
+  dense = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2) + head
+  filled = p + n / 2
+  attn = 4 * b * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * filled
+  step_flops = 2 * b * dense + attn
+  kv_bytes = b * max_len * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+  step_bytes = 4 * cfg.num_params + kv_bytes
+  step_s = secs["_decode"] / max(calls["_decode"], 1)
+  decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s,
+                 "flops_per_step": step_flops, "bytes_per_step": step_bytes,
+                 "gflops": step_flops / step_s / 1e9, "gbs": step_bytes / step_s / 1e9}
+  decode_roof["fraction_of_peak"] = decode_roof["gflops"] / peak
+  decode_roof["fraction_of_bandwidth"] = decode_roof["gbs"] / bandwidth
+  limit_s = max(step_flops / (peak * 1e9), step_bytes / (bandwidth * 1e9))
+  decode_roof["limit_step_s"] = limit_s
+  decode_roof["fraction_of_limit"] = limit_s / step_s
+  print(f"    decode roofline: {step_flops / 1e9:.3f} GFLOP and {step_bytes / 1e6:.1f} MB per step; "
+        f"{decode_roof['gflops']:.1f} GFLOP/s = {100 * decode_roof['fraction_of_peak']:.0f}% of the "
+        f"measured matmul peak {peak:.0f}; {decode_roof['gbs']:.1f} GB/s = "
+        f"{100 * decode_roof['fraction_of_bandwidth']:.0f}% of the measured bandwidth "
+        f"{bandwidth:.1f} GB/s; the binding limit is {1e3 * limit_s:.2f} ms/step "
+        f"({'FLOPs' if step_flops / peak > step_bytes / bandwidth else 'bytes'}), reached "
+        f"{100 * decode_roof['fraction_of_limit']:.0f}%")
+  return {"decode_roofline": decode_roof, "batch": b, "prompt_len": p, "new_tokens": n, "preset": FLAGS.preset,
           "num_params": cfg.num_params, "wall_s": times, "jax_first_run_s": first_jax,
           "tokens_per_s": {k: ntok / med[k] for k in med},
           "ratio_jax_over_torch": med["torch"] / med["jax"], "max_logit_diff": logit_diff,

@@ -1,0 +1,63 @@
+"""The machine's limits, measured in the same run as a benchmark: dense-matmul
+GFLOP/s and memory bandwidth, and XLA's own FLOP and byte counts of a compiled step.
+
+A figure is only meaningful next to what the machine can do: `fraction = achieved /
+peak`, with the peak measured here and now (machines of one kind differ by 1.5x and
+more, and load changes them) rather than taken from a data sheet.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _median_time(fn, repeats: int) -> float:
+  fn()   # compile / warm
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def matmul_peak_gflops(n: int = 1024, dtype: str = "float32", repeats: int = 7) -> float:
+  """GFLOP/s of one jitted n x n x n matmul (median of `repeats`): the dense limit."""
+  import jax
+  import jax.numpy as jnp
+  key = jax.random.PRNGKey(0)
+  a = jax.random.normal(key, (n, n), dtype=jnp.dtype(dtype))
+  b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype=jnp.dtype(dtype))
+  f = jax.jit(lambda x, y: x @ y)
+  t = _median_time(lambda: f(a, b).block_until_ready(), repeats)
+  return 2 * n ** 3 / t / 1e9
+
+
+def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7) -> float:
+  """GB/s of a jitted elementwise pass over a float32 array of `mbytes` MB (bytes
+  read + written over the time): the streaming-memory limit."""
+  import jax
+  import jax.numpy as jnp
+  n = mbytes * (1 << 20) // 4
+  x = jnp.ones((n,), jnp.float32)
+  f = jax.jit(lambda v: v * 1.0001 + 1.0)
+  t = _median_time(lambda: f(x).block_until_ready(), repeats)
+  return 2 * n * 4 / t / 1e9
+
+
+def xla_cost(jitted, *args, **kwargs) -> dict[str, float]:
+  """XLA's cost analysis of `jitted` compiled for these arguments: "flops" and
+  "bytes accessed" (0 where the backend does not report them)."""
+  cost = jitted.lower(*args, **kwargs).compile().cost_analysis()
+  if isinstance(cost, (list, tuple)):   # older jax: one dict per computation
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return {"flops": float(cost.get("flops", 0.0)),
+          "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def row(label: str, flops: float, seconds: float, peak_gflops: float) -> dict[str, float]:
+  """Achieved GFLOP/s of `flops` in `seconds` and its fraction of the peak."""
+  achieved = flops / seconds / 1e9 if seconds > 0 else 0.0
+  return {"label": label, "flops": flops, "seconds": seconds, "gflops": achieved,
+          "fraction_of_peak": achieved / peak_gflops if peak_gflops else 0.0}
