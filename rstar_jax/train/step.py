@@ -158,6 +158,13 @@ def jit_step(fn, mesh=None, rules=sharding.DEFAULT_RULES,
     batch = sharding.place_batch(batch, mesh, rules)
     with sharding.use_mesh_rules(mesh, rules):
       return jitted(state, batch)
+
+  def lower(state: TrainState, batch: dict[str, Any]):
+    """The lowered step for these arguments (`.compile().cost_analysis()`: XLA's FLOPs)."""
+    batch = sharding.place_batch(batch, mesh, rules)
+    with sharding.use_mesh_rules(mesh, rules):
+      return jitted.lower(state, batch)
+  run.lower = lower
   return run
 
 

@@ -1,0 +1,151 @@
+r"""python -m experiments.gpu_smoke --preset qwen3-0.6b --batch 8 --seq 1024
+
+The first thing to run on a new GPU host (NVIDIA or MI300X / ROCm): lists the devices
+JAX sees, builds a mesh over all of them (`--mesh`, fsdp over every device by default),
+runs the sharded GRPO train step (the RL trainer's own step: policy-gradient loss,
+AdamW update) of a Qwen3 on a random batch, and prints tokens/s and model FLOPs
+utilisation: XLA's FLOP count of the compiled step over its time, against the peak
+(`--peak_tflops`, the accelerator's dense bf16 figure from its data sheet, per device;
+by default the dense matmul peak measured here in the same run).
+
+  --tiny   a 2-layer x 64 model, batch 4 x 64 tokens, float32: runs on a CPU in
+           seconds (CI runs it this way).
+
+Compute dtype is bfloat16 on accelerators (parameters and optimizer state stay float32),
+float32 on CPU. Exit status 0 with a finite loss is the smoke test passing.
+"""
+import os
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from experiments import results_json
+from experiments import roofline
+
+flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.config.PRESETS)")
+flags.DEFINE_integer("batch", 8, "trajectories per step")
+flags.DEFINE_integer("seq", 1024, "tokens per trajectory (prompt + response)")
+flags.DEFINE_integer("steps", 5, "timed steps (after one compile step)")
+flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation steps per update")
+flags.DEFINE_string("mesh", "fsdp=-1", "mesh axes, e.g. 'fsdp=-1' or 'data=2,fsdp=4,tensor=1'")
+flags.DEFINE_float("peak_tflops", 0.0, "per-device dense peak for MFU (0: measure a matmul)")
+flags.DEFINE_string("remat", "", "override the model's remat_policy (e.g. full)")
+flags.DEFINE_boolean("tiny", False, "CPU-sized model and batch (CI)")
+flags.DEFINE_string("out", "", "JSON output (default: print only)")
+FLAGS = flags.FLAGS
+
+
+def _mesh_shape(spec: str) -> dict[str, int]:
+  out = {}
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    key, sep, value = part.partition("=")
+    if not sep:
+      raise ValueError(f"--mesh {spec!r}: expected axis=size pairs, got {part!r}")
+    out[key.strip()] = int(value)
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    sys.exit(f"unexpected arguments {argv[1:]}")
+  import jax
+  import numpy as np
+
+  from rstar_jax import optim, sharding
+  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.rl import batching, losses, train_step as ts
+  from rstar_jax.train import step as core
+
+  devices = jax.devices()
+  accel = devices[0].platform != "cpu"
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.process_count()} "
+        f"process(es), {len(devices)} device(s):")
+  for d in devices[:16]:
+    print(f"  {d.id}: {d.platform} {getattr(d, 'device_kind', '')}")
+  if FLAGS.tiny:
+    cfg = model_config.get_preset("tiny", hidden_size=64, intermediate_size=128, head_dim=16,
+                                  num_hidden_layers=2, vocab_size=512)
+    batch_n, seq = 4, 64
+  else:
+    cfg = model_config.get_preset(FLAGS.preset)
+    batch_n, seq = FLAGS.batch, FLAGS.seq
+  dtype = "bfloat16" if accel else "float32"
+  overrides = {"dtype": dtype, "param_dtype": "float32"}
+  if FLAGS.remat:
+    overrides["remat_policy"] = FLAGS.remat
+  cfg = cfg.replace(**overrides)
+  mesh = sharding.make_mesh(_mesh_shape(FLAGS.mesh))
+  rows = core.batch_multiple(FLAGS.micro_batches, mesh)
+  if batch_n % rows:
+    sys.exit(f"--batch {batch_n} must be a multiple of {rows} (micro-batches x data x fsdp)")
+  print(f"model: {FLAGS.preset if not FLAGS.tiny else 'tiny'} {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params, compute {dtype}; mesh "
+        f"{dict(mesh.shape)}; batch {batch_n} x {seq} tokens, {FLAGS.micro_batches} micro-batch(es)")
+
+  rng = np.random.RandomState(0)
+  prompt = seq // 4
+  trajs = [batching.TokenTrajectory(
+      prompt_ids=rng.randint(0, cfg.vocab_size, prompt).tolist(),
+      response_ids=rng.randint(0, cfg.vocab_size, seq - prompt).tolist(),
+      response_mask=[1] * (seq - prompt),
+      response_logprobs=(-rng.rand(seq - prompt) * 2).tolist()) for _ in range(batch_n)]
+  batch = batching.build_batch(trajs, rng.randn(batch_n).astype(np.float32),
+                               row_multiple=rows, length_multiple=64 if not FLAGS.tiny else 8)
+
+  t = time.perf_counter()
+  model = qwen3.create_model(cfg, seed=0)
+  tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=0))
+  graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
+  del model
+  step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
+                            ts.StepConfig(micro_batches=FLAGS.micro_batches,
+                                          logprob_chunk=min(512, seq)),
+                            mesh=mesh, state_shardings=shardings, donate=True)
+  cost = roofline.xla_cost(step, state, batch)
+  state, m = step(state, batch)
+  loss0 = float(jax.device_get(m["loss"]))
+  compile_s = time.perf_counter() - t
+  times = []
+  for _ in range(FLAGS.steps):
+    t = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    times.append(time.perf_counter() - t)
+  loss = float(jax.device_get(m["loss"]))
+  if not (np.isfinite(loss0) and np.isfinite(loss)):
+    sys.exit(f"non-finite loss: first {loss0}, last {loss}")
+  med = statistics.median(times)
+  tokens = batch_n * batch["input_ids"].shape[1]
+  # XLA's count is of the partitioned program one device runs: the step's FLOPs are
+  # that times the devices (communication and replicated work included, as MFU counts).
+  n_dev = mesh.devices.size
+  flops = cost["flops"] * n_dev
+  if FLAGS.peak_tflops:
+    peak, peak_src = FLAGS.peak_tflops * 1e3 * n_dev, f"data sheet (--peak_tflops) x {n_dev}"
+  elif accel:
+    peak = roofline.matmul_peak_gflops(4096, dtype) * n_dev
+    peak_src = f"measured {dtype} matmul x {n_dev} device(s)"
+  else:   # host devices share the machine's cores: its peak is the whole machine's
+    peak, peak_src = roofline.matmul_peak_gflops(1024, dtype), f"measured {dtype} matmul"
+  achieved = flops / med / 1e9
+  mfu = achieved / peak if peak else 0.0
+  print(f"compile + first step {compile_s:.1f} s; loss {loss0:.4f} -> {loss:.4f}")
+  print(f"step {1e3 * med:.1f} ms (median of {FLAGS.steps}), {tokens / med:,.0f} tokens/s; XLA "
+        f"counts {flops / 1e12:.4f} TFLOP per step -> {achieved:,.1f} GFLOP/s; peak "
+        f"{peak:,.1f} GFLOP/s ({peak_src}): MFU {100 * mfu:.1f}%")
+  results_json.write(FLAGS.out, {
+      "benchmark": "gpu_smoke", "backend": jax.default_backend(),
+      "devices": [f"{d.platform} {getattr(d, 'device_kind', '')}" for d in devices],
+      "model": {"preset": "tiny" if FLAGS.tiny else FLAGS.preset, "num_params": cfg.num_params,
+                "dtype": dtype}, "mesh": dict(mesh.shape), "batch": batch_n,
+      "seq": int(batch["input_ids"].shape[1]), "step_s": times, "tokens_per_s": tokens / med,
+      "xla_flops_per_device": cost["flops"], "flops": flops, "achieved_gflops": achieved, "peak_gflops": peak,
+      "peak_source": peak_src, "mfu": mfu, "compile_s": compile_s, "loss": [loss0, loss],
+      "load_average": os.getloadavg()})
+
+
+if __name__ == "__main__":
+  app.run(main)
