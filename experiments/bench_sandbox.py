@@ -373,6 +373,7 @@ def main(argv):
                       extra_args=["--max-timeout", str(TIMEOUT), *FLAGS.server_args]) as url:
     out = asyncio.run(_run(url))
   out["server_args"] = FLAGS.server_args
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump(out, f, indent=1)
   print(f"\nJSON: {FLAGS.out}")

@@ -47,7 +47,12 @@ def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7) -> float:
 
 def xla_cost(jitted, *args, **kwargs) -> dict[str, float]:
   """XLA's cost analysis of `jitted` compiled for these arguments: "flops" and
-  "bytes accessed" (0 where the backend does not report them)."""
+  "bytes accessed" (0 where the backend does not report them).
+
+  XLA counts the body of a while loop ONCE: for a model whose layers run in a
+  `lax.scan` this undercounts by about the number of layers (a scan of 8 matmuls is
+  reported as one). Use `train_flops` for the model's FLOPs; this count is only good
+  for steps without loops."""
   cost = jitted.lower(*args, **kwargs).compile().cost_analysis()
   if isinstance(cost, (list, tuple)):   # older jax: one dict per computation
     cost = cost[0] if cost else {}
@@ -61,3 +66,22 @@ def row(label: str, flops: float, seconds: float, peak_gflops: float) -> dict[st
   achieved = flops / seconds / 1e9 if seconds > 0 else 0.0
   return {"label": label, "flops": flops, "seconds": seconds, "gflops": achieved,
           "fraction_of_peak": achieved / peak_gflops if peak_gflops else 0.0}
+
+
+def matmul_params(cfg) -> int:
+  """Parameters that take part in a matmul per token: every layer's projections and the
+  output head (the input embedding is a lookup)."""
+  h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+  q = cfg.num_attention_heads * cfg.head_dim
+  kv = cfg.num_key_value_heads * cfg.head_dim
+  return L * (2 * h * q + 2 * h * kv + 3 * h * i) + h * cfg.vocab_size
+
+
+def train_flops(cfg, batch: int, seq: int) -> float:
+  """Model FLOPs of one forward + backward pass over batch x seq tokens (PaLM's
+  convention, as MFU is usually stated): 6 N per token for the N matmul parameters,
+  plus 12 L q S per token for attention scores and values at sequence length S
+  (q = heads x head_dim), remat recomputation not counted."""
+  q = cfg.num_attention_heads * cfg.head_dim
+  per_token = 6 * matmul_params(cfg) + 12 * cfg.num_hidden_layers * q * seq
+  return float(per_token * batch * seq)
