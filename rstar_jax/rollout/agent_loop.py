@@ -92,8 +92,13 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
                          prompt_ids: Sequence[int] | None = None) -> Trajectory:
   traj = Trajectory(uid=uid, prompt_ids=list(prompt_ids if prompt_ids is not None
                                              else proto.prompt_ids(problem)))
+  room = getattr(engine, "max_len", 0) or 0   # the engine's KV length (prompt + response)
   while True:
     budget = cfg.max_response_tokens - len(traj.response_ids)
+    if room:
+      # A context that fills the engine's sequence length ends the trajectory as
+      # truncated; it never becomes a request the engine has to refuse.
+      budget = min(budget, room - len(traj.prompt_ids) - len(traj.response_ids))
     if budget <= 0:
       traj.finish_reason = "length"
       break

@@ -27,7 +27,7 @@ from rstar_jax.model import qwen3
 from rstar_jax.model.config import Qwen3Config
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rollout import chat
-from rstar_jax.rollout.agent_loop import AgentConfig, run_many
+from rstar_jax.rollout.agent_loop import AgentConfig, run_many, run_trajectory
 from rstar_jax.rollout.jax_engine import (EngineConfig, GenerationRequest, GenerationResult,
                                           JaxEngine)
 from rstar_jax.rollout.scheduler import EnginePool
@@ -492,3 +492,34 @@ def test_real_engine_trajectories_do_not_depend_on_scheduling(tiny_model, tok, p
     assert x.response_ids == y.response_ids and x.response_mask == y.response_mask
     np.testing.assert_allclose(x.response_logprobs, y.response_logprobs, atol=1e-5)
     assert x.finish_reason == y.finish_reason
+
+
+class _RecordingEngine:
+  """Answers every request with `max_new_tokens` copies of token 7 (no stop), and
+  records the requests; `max_len` as an engine states it."""
+
+  def __init__(self, max_len):
+    self.max_len, self.requests = max_len, []
+
+  async def generate(self, request):
+    request.validate(self.max_len)   # what JaxEngine and the servers enforce
+    self.requests.append(request)
+    n = request.max_new_tokens
+    return GenerationResult(request_id=request.request_id, output_ids=[7] * n,
+                            logprobs=[-1.0] * n, finish_reason="length",
+                            prompt_tokens=len(request.input_ids), reused_prefix_tokens=0,
+                            queue_wait_s=0.0)
+
+
+def test_context_longer_than_the_engine_ends_as_truncated(proto):
+  """A prompt (or prompt + response) that fills the engine's sequence length ends the
+  trajectory with finish 'length' (reward 0 downstream), never as a refused request."""
+  prompt = proto.prompt_ids("What is 2+2?")
+  cfg = AgentConfig(max_turns=3, max_response_tokens=64)
+  short = _RecordingEngine(max_len=len(prompt) + 5)
+  t = asyncio.run(run_trajectory(short, None, proto, "What is 2+2?", cfg, seed=0))
+  assert [r.max_new_tokens for r in short.requests] == [5]      # capped to the room left
+  assert t.finish_reason == "length" and t.truncated and len(t.response_ids) == 5
+  tiny = _RecordingEngine(max_len=len(prompt))
+  t = asyncio.run(run_trajectory(tiny, None, proto, "What is 2+2?", cfg, seed=0))
+  assert tiny.requests == [] and t.finish_reason == "length" and t.response_ids == []
