@@ -16,7 +16,9 @@ JaxEngines in this process, and the cost of a weight sync through disk.
     continue and confirm the version, GB written, and seconds per GB, extrapolated to
     Qwen3-14B (bf16, 29.5 GB) at the same rates.
 
-The model is the toy recipe's (2 layers x 128, vocabulary 2048) with random weights.
+The model of (a) is the toy recipe's (2 layers x 128, vocabulary 2048) by default, with
+random weights; --layers / --hidden / --vocab size it up (HTTP overhead per request is
+fixed, so its share falls as a request's compute grows).
 The machine may be shared: the load average is printed with the results. Not a test:
 nothing is asserted.
 """
@@ -35,6 +37,9 @@ from absl import flags
 from experiments import results_json
 
 flags.DEFINE_integer("requests", 64, "(a) requests per run")
+flags.DEFINE_integer("hidden", 128, "(a) hidden size (the toy recipe's model by default)")
+flags.DEFINE_integer("layers", 2, "(a) layers")
+flags.DEFINE_integer("vocab", 2048, "(a) vocabulary")
 flags.DEFINE_integer("prompt_len", 64, "(a) prompt tokens per request")
 flags.DEFINE_integer("new_tokens", 64, "(a) generated tokens per request")
 flags.DEFINE_integer("slots", 16, "(a) KV slots per engine")
@@ -91,9 +96,11 @@ def main(argv):
   from sandbox.launcher import free_port
 
   load0 = os.getloadavg()
-  cfg = model_config.Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=384,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+  cfg = model_config.Qwen3Config(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
+                                 intermediate_size=3 * FLAGS.hidden,
+                                 num_hidden_layers=FLAGS.layers, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=FLAGS.hidden // 2,
+                                 tie_word_embeddings=True)
   model = qwen3.create_model(cfg, seed=0)
   root = tempfile.mkdtemp(prefix="bench_server_")
   hf_dir = os.path.join(root, "model")
@@ -215,6 +222,7 @@ def main(argv):
             "cpus": os.cpu_count(), "load_average_start": load0,
             "load_average_end": os.getloadavg(), "num_params": cfg.num_params,
             "sync_num_params": big_cfg.num_params,
+            "model": {"layers": FLAGS.layers, "hidden": FLAGS.hidden, "vocab": FLAGS.vocab},
             "wall_s": walls, "tokens": tokens, "tokens_per_s": tps,
             "servers_over_in_process": ratio, "sync": summary, "sync_runs": syncs}
   results_json.write(FLAGS.out, result)

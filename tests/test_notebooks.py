@@ -135,6 +135,7 @@ def test_03_perf_from_the_benchmarks_json(tmp_path):
                     model_json=out["model"], rollout_json=out["rollout"]))
   assert "| sandbox service | print(1+1) | 1 |" in text and "share_of_limit" in text
   assert "ratio jax/torch" in text and "(a) batch 2, prompt 8" in text and "(b) 4 trajectories" in text
+  assert "roofline: measured matmul peak" in text and "of the binding limit" in text
   # A missing file names the command that makes it, and the rest still runs.
   text = _text(_run("03_sandbox_and_engine_perf", tmp_path, sandbox_json=out["sandbox"],
                     model_json=str(tmp_path / "none.json"), rollout_json=out["rollout"]))
