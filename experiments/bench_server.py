@@ -24,6 +24,7 @@ nothing is asserted.
 """
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,18 +51,22 @@ flags.DEFINE_integer("sync_hidden", 1024, "(b) hidden size of the synced model (
                      "are amortised over its bytes: ~0.23 GB in bf16 at the defaults)")
 flags.DEFINE_integer("sync_layers", 4, "(b) its layers")
 flags.DEFINE_integer("sync_vocab", 32768, "(b) its vocabulary")
+flags.DEFINE_boolean("pin", False, "pin server k to core k mod cores (taskset): on one host the "
+                     "servers otherwise each run a thread pool over every core and oversubscribe "
+                     "it, which a server with its own accelerator never does")
 flags.DEFINE_string("out", "/tmp/bench_server.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
 QWEN3_14B_BF16_GB = 14.77e9 * 2 / 1e9
 
 
-def _start_server(hf_dir, port, log_path, slots=None, max_len=None, warmup=True):
+def _start_server(hf_dir, port, log_path, slots=None, max_len=None, warmup=True, core=None):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   log = open(log_path, "w")
+  pin = ["taskset", "-c", str(core)] if core is not None else []
   proc = subprocess.Popen(
-      [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir, "--port", str(port),
+      [*pin, sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir, "--port", str(port),
        "--num_slots", str(slots or FLAGS.slots), "--max_len", str(max_len or FLAGS.max_len),
        *([] if warmup else ["--no_warmup"])],
       env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -127,7 +132,8 @@ def main(argv):
   try:
     ports = [free_port() for _ in range(2)]
     for k, port in enumerate(ports):
-      servers.append((*_start_server(hf_dir, port, os.path.join(root, f"server{k}.log")),
+      core = k % (os.cpu_count() or 1) if FLAGS.pin and shutil.which("taskset") else None
+      servers.append((*_start_server(hf_dir, port, os.path.join(root, f"server{k}.log"), core=core),
                       f"http://127.0.0.1:{port}", os.path.join(root, f"server{k}.log")))
     local = EnginePool([JaxEngine(model, ecfg, name=f"jax{i}") for i in range(2)])
     for proc, _, url, log_path in servers:
@@ -144,6 +150,8 @@ def main(argv):
         wall, n = timed(pool, run)
         walls[name].append(wall)
         tokens[name] = n
+    split = {name: {e.name: pool.metrics[e.name]["requests"] for e in pool.engines}
+             for name, pool in (("in_process", local), ("servers", remote))}
     local.stop()
     remote.stop()
     for proc, log, _, _ in servers:
@@ -197,11 +205,13 @@ def main(argv):
         f"{FLAGS.requests} requests, prompt {FLAGS.prompt_len}, {FLAGS.new_tokens} new tokens; "
         f"{cfg.num_params / 1e6:.2f}M params; {os.cpu_count()} CPUs; load "
         f"{'/'.join(f'{x:.2f}' for x in load0)} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+  print(f"servers pinned one per core: {FLAGS.pin}")
   print(f"{'path':<34}{'median s':>10}{'min s':>10}{'tokens/s':>11}")
   for k, label in (("in_process", "EnginePool of 2 JaxEngines"),
                    ("servers", "EnginePool of 2 server processes")):
     print(f"{label:<34}{med[k]:>10.3f}{min(walls[k]):>10.3f}{tps[k]:>11.0f}")
-  print(f"servers / in-process wall time: {ratio:.2f}x (target <= 1.25x)")
+  print(f"servers / in-process wall time: {ratio:.2f}x (target <= 1.25x); requests per engine "
+        f"(all runs): {split}")
   print(f"\nweight sync through disk to 2 servers (pause -> load -> continue -> version "
         f"confirmed), a {big_cfg.num_params / 1e6:.0f}M-parameter model")
   print(f"{'dtype':<10}{'GB':>8}{'write s':>10}{'update s':>10}{'total s':>10}{'s/GB':>9}"
@@ -219,12 +229,12 @@ def main(argv):
         "cluster the shared storage's bandwidth and the servers' load path set the figure)")
   result = {"benchmark": "bench_server", "flags": {k: getattr(FLAGS, k) for k in (
                 "requests", "prompt_len", "new_tokens", "slots", "max_len", "repeats", "syncs")},
-            "cpus": os.cpu_count(), "load_average_start": load0,
+            "cpus": os.cpu_count(), "pinned": FLAGS.pin, "load_average_start": load0,
             "load_average_end": os.getloadavg(), "num_params": cfg.num_params,
             "sync_num_params": big_cfg.num_params,
             "model": {"layers": FLAGS.layers, "hidden": FLAGS.hidden, "vocab": FLAGS.vocab},
             "wall_s": walls, "tokens": tokens, "tokens_per_s": tps,
-            "servers_over_in_process": ratio, "sync": summary, "sync_runs": syncs}
+            "servers_over_in_process": ratio, "requests_per_engine": split, "sync": summary, "sync_runs": syncs}
   results_json.write(FLAGS.out, result)
 
 
