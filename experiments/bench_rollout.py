@@ -56,6 +56,8 @@ flags.DEFINE_integer("think_tokens", 24, "(b) tokens sampled before each scripte
 flags.DEFINE_integer("sandbox_children", 8, "(b) sandbox server --max-children")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
+flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
+                     "prefix of the slots (EngineConfig.decode_buckets)")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
@@ -135,7 +137,8 @@ def bench_generate():
     return rng.randint(0, cfg.vocab_size, (b, p))
 
   def run_jax(tokens, seed):
-    engine = JaxEngine(model, EngineConfig(num_slots=b, max_len=max_len))
+    engine = JaxEngine(model, EngineConfig(num_slots=b, max_len=max_len,
+                                           decode_buckets=FLAGS.decode_buckets))
     reqs = [GenerationRequest(input_ids=row.tolist(), max_new_tokens=n, temperature=1.0,
                               top_p=1.0, top_k=0, seed=seed * 1000 + i)
             for i, row in enumerate(tokens)]
@@ -197,8 +200,8 @@ def bench_generate():
   print(f"    torch per generated position: {1e3 * med['torch'] / n:.2f} ms for the whole batch")
   # Roofline of one decode step (b rows): useful FLOPs (every weight once per row, the
   # head included, plus attention over the filled part, on average p + n/2 positions)
-  # and bytes (every weight once, plus the k/v the step reads: whole slots of max_len,
-  # since attention does not skip the unfilled part).
+  # and bytes (every weight once, plus the k/v the step reads: the length bucket of
+  # the step with decode_buckets, else whole slots of max_len).
   peak = roofline.matmul_peak_gflops()
   bandwidth = roofline.memory_bandwidth_gbs()
   head = cfg.vocab_size * cfg.hidden_size
@@ -206,7 +209,12 @@ def bench_generate():
   filled = p + n / 2
   attn = 4 * b * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * filled
   step_flops = 2 * b * dense + attn
-  kv_bytes = b * max_len * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+  if FLAGS.decode_buckets:
+    floor = EngineConfig().min_prefill_bucket
+    read = np.mean([min(max_len, max(floor, 1 << (p + j).bit_length())) for j in range(n)])
+  else:
+    read = max_len
+  kv_bytes = b * read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
   step_bytes = 4 * cfg.num_params + kv_bytes
   step_s = secs["_decode"] / max(calls["_decode"], 1)
   decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s,

@@ -139,7 +139,10 @@ class DecoderLayer(nnx.Module):
       k_all = k_all.at[li, b_idx, write_index].set(k.astype(k_all.dtype), mode="drop")
       v_all = v_all.at[li, b_idx, write_index].set(v.astype(v_all.dtype), mode="drop")
       new_kv = (k_all, v_all)
-      k, v = k_all[li].astype(dt), v_all[li].astype(dt)
+      # Attention reads the first mask.shape[-1] slots only (the caller's length
+      # bucket: a decode step need not read the unfilled end of every slot).
+      n = mask.shape[-1]
+      k, v = k_all[li, :, :n].astype(dt), v_all[li, :, :n].astype(dt)
     a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk)
     a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
     x = x + a
@@ -177,14 +180,16 @@ class Qwen3(nnx.Module):
 
   # --- Forward -------------------------------------------------------------
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, cache: Cache | None = None
-               ) -> tuple[jax.Array, Cache | None]:
+               segment_ids: jax.Array | None = None, cache: Cache | None = None,
+               attend_len: int | None = None) -> tuple[jax.Array, Cache | None]:
     """Runs the decoder.
 
     Without `cache` (training, scoring): `segment_ids` [B, T] (0 = padding, equal
     ids = one packed sequence) and `positions` [B, T] (restart at 0 per segment)
     define a block-diagonal causal mask. With `cache` (prefill / decode): the tokens
-    are written into the cache at `positions` and attend to slots <= their position.
+    are written into the cache at `positions` and attend to slots <= their position,
+    among the first `attend_len` slots when given (static; every position must be
+    below it).
     Returns (hidden [B, T, H] after the final norm, updated cache or None).
     """
     cfg = self.cfg
@@ -200,7 +205,8 @@ class Qwen3(nnx.Module):
       order = idx[None, :] <= idx[:, None]  # guards packed rows with repeated positions
       mask = same & causal & order[None] & (segment_ids[:, None, :] != 0)
     else:
-      slots = jnp.arange(cache["k"].shape[2])
+      size = cache["k"].shape[2]
+      slots = jnp.arange(size if attend_len is None else min(attend_len, size))
       mask = slots[None, None, :] <= positions[:, :, None]
     x = self.embed_tokens[...].astype(jnp.dtype(cfg.dtype))[tokens]
     x = sharding.constrain(x, ("batch", "length", "act_embed"))

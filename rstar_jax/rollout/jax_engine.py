@@ -44,6 +44,10 @@ class EngineConfig:
   min_prefill_bucket: int = 16
   reuse_prefix: bool = True
   cache_dtype: str | None = None  # default: the model's compute dtype
+  # Decode attends to the first B slots of the cache only, B the smallest power of two
+  # (>= min_prefill_bucket, capped at max_len) above every active position: a step
+  # reads the filled part of the slots, not all max_len of each (one compile per B).
+  decode_buckets: bool = True
 
   def __post_init__(self):
     if self.num_slots <= 0 or self.max_len <= 1 or self.min_prefill_bucket <= 0:
@@ -79,10 +83,11 @@ def _prefill(graphdef, state, cache, slot, tokens, positions, last, seed, temp, 
   return cache, tok[0], logp[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k):
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len"), donate_argnames=("cache",))
+def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
+            attend_len=None):
   model = nnx.merge(graphdef, state)
-  hidden, cache = model(tokens[:, None], positions[:, None], cache=cache)
+  hidden, cache = model(tokens[:, None], positions[:, None], cache=cache, attend_len=attend_len)
   logits = model.logits(hidden)[:, 0]
   tok, logp = sampling.sample(logits, seeds, indices, temps, top_p, top_k)
   return cache, tok, logp
@@ -296,10 +301,15 @@ class JaxEngine:
       toks[i], pos[i] = s.next_token, len(s.cached)
       seeds[i], idx[i] = s.request.seed, len(s.out_ids)
       temps[i], top_p[i], top_k[i] = s.request.temperature, s.request.top_p, s.request.top_k
+    attend = None
+    if self.config.decode_buckets and active:
+      need = int(max(pos[i] for i in active)) + 1
+      attend = max(self.config.min_prefill_bucket, 1 << (need - 1).bit_length())
+      attend = min(attend, self.config.max_len)
     self.cache, out_tok, out_logp = _decode(
         self.graphdef, self.state, self.cache, jnp.asarray(toks), jnp.asarray(pos),
         jnp.asarray(seeds), jnp.asarray(idx), jnp.asarray(temps), jnp.asarray(top_p),
-        jnp.asarray(top_k))
+        jnp.asarray(top_k), attend_len=attend)
     out_tok, out_logp = np.asarray(out_tok), np.asarray(out_logp)
     self.metrics["decode_steps"] += 1
     self.metrics["active_slot_steps"] += len(active)

@@ -47,6 +47,19 @@ def test_continuous_batching_equals_one_at_a_time(model):
       assert len(b.output_ids) == r.max_new_tokens
 
 
+def test_decode_length_buckets_change_nothing_but_the_work(model):
+  """Decode attends to a power-of-two prefix of each slot (decode_buckets): the same
+  tokens and log-probs as attending to all max_len slots, across bucket changes."""
+  reqs = _requests(n=12, seed=3)
+  full = JaxEngine(model, EngineConfig(num_slots=4, max_len=96, decode_buckets=False))
+  cut = JaxEngine(model, EngineConfig(num_slots=4, max_len=96, min_prefill_bucket=8))
+  a, b = full.generate_sync(reqs), cut.generate_sync(reqs)
+  for r, x, y in zip(reqs, a, b):
+    assert x.output_ids == y.output_ids, r.request_id
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+  assert max(len(r.input_ids) + len(x.output_ids) for r, x in zip(reqs, a)) > 16  # crossed buckets
+
+
 def test_sampler_logprobs_equal_trainer_logprobs(model):
   reqs = [r for r in _requests(6, seed=1)]
   for r in reqs:
