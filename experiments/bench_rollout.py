@@ -209,9 +209,9 @@ def bench_generate():
   filled = p + n / 2
   attn = 4 * b * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * filled
   step_flops = 2 * b * dense + attn
-  if FLAGS.decode_buckets:
-    floor = EngineConfig().min_prefill_bucket
-    read = np.mean([min(max_len, max(floor, 1 << (p + j).bit_length())) for j in range(n)])
+  if FLAGS.decode_buckets:   # step j attends at length p + j + 1
+    ecfg = EngineConfig(num_slots=b, max_len=max_len)
+    read = np.mean([ecfg.length_bucket(p + j + 1) for j in range(n)])
   else:
     read = max_len
   kv_bytes = b * read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4

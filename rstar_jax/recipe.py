@@ -331,7 +331,8 @@ def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
     with open(cache) as f:
       return [by_uid[u] for u in json.load(f)["uids"]]
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
-  groups = rollouts.collect(ctx.engines_for(model, "stage3-filter"), ctx.tools, ctx.proto, ctx.tokenizer, pool,
+  engines = ctx.engines_for(model, "stage3-filter")
+  groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
                             stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
                             progress=True, desc="stage3 filter")
@@ -378,7 +379,8 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
   e = ctx.config.eval
-  report, trajs = eval_lib.evaluate(ctx.engines_for(model, f"eval-{name}"), ctx.tools, ctx.proto,
+  engines = ctx.engines_for(model, f"eval-{name}")
+  report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
                                     dataset=name, model_source=source or name,

@@ -368,12 +368,10 @@ def _hf_order(cfg: Qwen3Config, model: Qwen3):
     yield _TABLE[k].hf, flat[k], None, _TABLE[k].kind
 
 
-def _hf_nbytes(var, layer: int | None, kind: str, dtype: str) -> tuple[tuple[int, ...], int]:
-  shape = tuple(var.get_value().shape)
-  if layer is not None:
-    shape = shape[1:]
-  hf_shape = _hf_shape(kind, shape)
-  return hf_shape, int(np.prod(hf_shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
+def _hf_nbytes(var, layer: int | None, dtype: str) -> int:
+  """Bytes of one HF tensor (one layer's slice of a stacked parameter), from shapes."""
+  shape = tuple(var.get_value().shape)[1 if layer is not None else 0:]
+  return int(np.prod(shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "kind", "dtype"))
@@ -445,7 +443,7 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   plan: list[list[tuple]] = [[]]
   size = total = 0
   for name, var, layer, kind in _hf_order(model.cfg, model):
-    _, nbytes = _hf_nbytes(var, layer, kind, dtype)
+    nbytes = _hf_nbytes(var, layer, dtype)
     if plan[-1] and size + nbytes > max_shard_bytes:
       plan.append([])
       size = 0

@@ -245,7 +245,6 @@ def _half_slots_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
   return _fill(n_pos, n_neg, keep, keep // 2)
 
 
-
 def _proportional_counts(n_pos: int, n_neg: int, keep: int, min_per_side: int
                          ) -> tuple[int, int]:
   """The release's counts: proportional to the split, at least `min_per_side` each."""

@@ -171,7 +171,6 @@ class RLTrainer:
     self.version = self.weight_version(step)
     self.engines.update_weights(self.state.params, self.version)
 
-
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)
 

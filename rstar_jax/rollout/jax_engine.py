@@ -49,6 +49,11 @@ class EngineConfig:
   # reads the filled part of the slots, not all max_len of each (one compile per B).
   decode_buckets: bool = True
 
+  def length_bucket(self, n: int) -> int:
+    """The power of two >= n (at least min_prefill_bucket, at most max_len): the padded
+    length of a prefill of n tokens, and the slots a decode step at length n reads."""
+    return min(max(self.min_prefill_bucket, 1 << (n - 1).bit_length()), self.max_len)
+
   def __post_init__(self):
     if self.num_slots <= 0 or self.max_len <= 1 or self.min_prefill_bucket <= 0:
       raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
@@ -241,8 +246,7 @@ class JaxEngine:
   def _prefill_into(self, i, req, fut, reuse, wait_s):
     ids = list(req.input_ids)
     new = ids[reuse:]
-    bucket = max(self.config.min_prefill_bucket, 1 << (len(new) - 1).bit_length())
-    bucket = min(bucket, self.config.max_len)
+    bucket = self.config.length_bucket(len(new))
     if len(new) > bucket:  # cannot happen: validate() bounds input by max_len
       raise AssertionError((len(new), bucket))
     toks = np.zeros((1, bucket), np.int32)
@@ -303,9 +307,7 @@ class JaxEngine:
       temps[i], top_p[i], top_k[i] = s.request.temperature, s.request.top_p, s.request.top_k
     attend = None
     if self.config.decode_buckets and active:
-      need = int(max(pos[i] for i in active)) + 1
-      attend = max(self.config.min_prefill_bucket, 1 << (need - 1).bit_length())
-      attend = min(attend, self.config.max_len)
+      attend = self.config.length_bucket(int(max(pos[i] for i in active)) + 1)
     self.cache, out_tok, out_logp = _decode(
         self.graphdef, self.state, self.cache, jnp.asarray(toks), jnp.asarray(pos),
         jnp.asarray(seeds), jnp.asarray(idx), jnp.asarray(temps), jnp.asarray(top_p),

@@ -428,8 +428,9 @@ class SGLangEngine:
   def update_weights(self, params, version: str | None = None) -> None:
     raise NotImplementedError(
         f"{self.name}: an HTTP engine cannot take in-memory parameters. Build the pool with "
-        f"rollout.backends.build_engine_pool(cfg, model, weight_dir=...) (its DiskWeightSync "
-        f"writes a HF checkpoint the servers read), or call "
+        f"rollout.backends.build_engine_pool(cfg, model, workdir=...) (its DiskWeightSync "
+        f"writes a HF checkpoint under rollout.weight_sync.dir, or <workdir>/weight_sync, "
+        f"that the servers read), or call "
         f"rstar_jax.rollout.sglang_engine.update_weights_from_disk(engines, dir, version) "
         f"(pause -> /update_weights_from_disk -> continue -> /model_info confirms).")
 
