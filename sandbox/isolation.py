@@ -80,6 +80,15 @@ def _base_env(pythonpath: str) -> dict[str, str]:
   return env
 
 
+def interpreter_dirs_under(root: str = "/tmp") -> list[str]:
+  """The interpreter's own directories below `root` (a virtualenv made under /tmp),
+  outermost only: a private /tmp would hide them, so they are bound back read-only."""
+  dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                        os.path.dirname(os.path.abspath(sys.executable)))}
+  below = sorted(d for d in dirs if d.startswith(root.rstrip("/") + "/"))
+  return [d for d in below if not any(d.startswith(k + "/") for k in below)]
+
+
 def _hidden_ancestor(path: str) -> str | None:
   """The highest ancestor of `path` that others cannot traverse (e.g. /root, mode 0700)."""
   parts = os.path.abspath(path).split(os.sep)[1:]
@@ -116,6 +125,8 @@ class Bwrap(Backend):
   def _args(self, tmpfs_mb: int, binds: Sequence[str] = ()) -> list[str]:
     args = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--perms", "0711", "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp"]
+    for p in interpreter_dirs_under("/tmp"):   # a virtualenv under /tmp stays visible
+      args += ["--ro-bind", p, p]
     # Directories the interpreter needs but that sit below one that a dropped uid
     # cannot traverse (pyenv under /root): hide the parent, bind back only these.
     needed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,

@@ -52,11 +52,12 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 import types  # noqa: E402
 
-from sandbox import runner  # noqa: E402
+from sandbox import isolation, runner  # noqa: E402
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 1 << 12
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -96,9 +97,20 @@ def private_tmp(owner: int, tmp_mb: int, shm_mb: int) -> None:
   """
   _unshare(CLONE_NEWNS)
   _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing propagates back out
-  for target, mb in (("/tmp", tmp_mb), ("/dev/shm", shm_mb)):
-    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={mb}m,nr_inodes=65536,mode=0700,uid={owner},gid={owner}")
+  # The interpreter's directories under /tmp (a virtualenv there) are held open and
+  # bound back read-only over the new /tmp: later imports still find their files.
+  keep = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in isolation.interpreter_dirs_under()]
+  try:
+    for target, mb in (("/tmp", tmp_mb), ("/dev/shm", shm_mb)):
+      _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
+             f"size={mb}m,nr_inodes=65536,mode=0700,uid={owner},gid={owner}")
+    for path, fd in keep:
+      os.makedirs(path, mode=0o755, exist_ok=True)
+      _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+      _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+  finally:
+    for _, fd in keep:
+      os.close(fd)
 
 
 def _write_file(path: str, data: bytes) -> None:

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from sandbox.isolation import interpreter_dirs_under
 from sandbox.launcher import health
 
 TMP_MB = 128  # the server default (--tmp-mb)
@@ -25,16 +26,17 @@ def _shmem_mb() -> float:
 
 
 def test_tmp_and_shm_are_private_writable_and_empty(client):
-  code = ("import os, time, tempfile\nbefore = (os.listdir('/tmp'), os.listdir('/dev/shm'))\n"
+  code = ("import os, time, tempfile\nbefore = (sorted(os.listdir('/tmp')), os.listdir('/dev/shm'))\n"
           "open('/tmp/mine', 'w').write('{i}')\nopen('/dev/shm/mine', 'w').write('{i}')\n"
           "with tempfile.NamedTemporaryFile(dir='/tmp') as t:\n  t.write(b'x')\n"
           "time.sleep(0.3)\n"
-          "print(before, open('/tmp/mine').read(), open('/dev/shm/mine').read(), os.listdir('/tmp'),"
+          "print(before, open('/tmp/mine').read(), open('/dev/shm/mine').read(), sorted(os.listdir('/tmp')),"
           " tempfile.gettempdir(), os.getcwd(), oct(os.stat('/tmp').st_mode & 0o777))")
   rs = client.execute([{"code": code.format(i=i)} for i in range(24)])
+  own = sorted({p.split("/")[2] for p in interpreter_dirs_under("/tmp")})  # a venv under /tmp
   for i, r in enumerate(rs):
     assert (r.status, r.stdout) == (
-        "ok", f"([], []) {i} {i} ['mine'] /tmp /tmp 0o700\n"), r
+        "ok", f"({own}, []) {i} {i} {sorted(own + ['mine'])} /tmp /tmp 0o700\n"), r
   assert not os.path.exists("/dev/shm/mine")  # the host's /dev/shm never saw it
 
 
@@ -101,3 +103,35 @@ def test_environment_is_the_calls_own_and_does_not_leak(client):
     assert got.keys() == want.keys(), got
     assert {k: got[k] for k in want if k != "PATH"} == {k: v for k, v in want.items() if k != "PATH"}
     assert got["HOME"] == got["TMPDIR"] == "/tmp"
+
+
+def test_an_interpreter_under_tmp_stays_usable_and_read_only(tmp_path_factory):
+  """A virtualenv made under /tmp: the private /tmp of bwrap and of every call would
+  hide it; its directory is bound back read-only, so the server starts, calls import
+  from it, and cannot write there."""
+  import subprocess
+  import sys
+  import tempfile
+  from sandbox.client import SyncSandboxClient
+  venv = tempfile.mkdtemp(prefix="venv-under-tmp-", dir="/tmp")
+  try:
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    venv], check=True, timeout=120)
+    py = os.path.join(venv, "bin", "python")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("from sandbox.launcher import running_server\n"
+            "from sandbox.client import SyncSandboxClient\nimport sys\n"
+            "with running_server(max_children=2, pool_size=1) as url:\n"
+            "  with SyncSandboxClient([url]) as c:\n"
+            "    (r,) = c.execute([{'code': 'import sys, fractions, os\\n"
+            "print(sys.prefix, fractions.Fraction(1, 3))\\n"
+            "try:\\n  open(sys.prefix + \\'/x\\', \\'w\\')\\nexcept OSError:\\n"
+            "  print(\\'refused\\')'}])\n"
+            "print(r.status, r.stdout, r.stderr)\n")
+    out = subprocess.run([py, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=repo))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", venv, "1/3", "refused"], out.stdout
+  finally:
+    import shutil
+    shutil.rmtree(venv, ignore_errors=True)
