@@ -112,7 +112,6 @@ def test_an_interpreter_under_tmp_stays_usable_and_read_only(tmp_path_factory):
   import subprocess
   import sys
   import tempfile
-  from sandbox.client import SyncSandboxClient
   venv = tempfile.mkdtemp(prefix="venv-under-tmp-", dir="/tmp")
   try:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
