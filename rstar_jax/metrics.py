@@ -1,7 +1,7 @@
 """Metrics to TensorBoard (tensorboardX), a JSONL file and the console.
 
 The JSONL file (one object per step) is what notebooks and plots read; TensorBoard
-is for watching a run live.
+is for watching a run live. In a multi-process job only process 0 writes.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 from absl import logging
 import numpy as np
+
+from rstar_jax import distributed
 
 
 def _scalar(v: Any) -> float | None:
@@ -24,15 +26,20 @@ def _scalar(v: Any) -> float | None:
 
 class MetricsWriter:
   def __init__(self, workdir: str, name: str = "train", tensorboard: bool = True):
-    os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, f"metrics_{name}.jsonl")
     self._tb = None
+    self.enabled = distributed.is_main()
+    if not self.enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, "tb", name))
 
   def write(self, step: int, metrics: Mapping[str, Any], console_keys=()) -> dict[str, float]:
     flat = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    if not self.enabled:
+      return flat
     with open(self.path, "a") as f:
       f.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v))
                                            for k, v in flat.items()}}) + "\n")
@@ -48,7 +55,7 @@ class MetricsWriter:
 
   def truncate_after(self, step: int) -> None:
     """Drops lines past `step` (a resumed run rewrites them)."""
-    if not os.path.exists(self.path):
+    if not self.enabled or not os.path.exists(self.path):
       return
     with open(self.path) as f:
       lines = [l for l in f if l.strip() and json.loads(l)["step"] <= step]

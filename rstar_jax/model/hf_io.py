@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rstar_jax import sharding
+from rstar_jax import distributed, sharding
 from rstar_jax.model.config import Qwen3Config
 from rstar_jax.model.qwen3 import Qwen3, abstract_model
 
@@ -396,7 +396,7 @@ def _hf_value(var, layer: int | None, kind: str, dtype: str) -> np.ndarray:
   """One HF tensor on the host: only this tensor (one layer's slice of a stacked
   parameter) is gathered from the devices."""
   out = _hf_layout(var.get_value(), layer=layer, kind=kind, dtype=dtype)
-  return np.ascontiguousarray(jax.device_get(out))
+  return np.ascontiguousarray(distributed.host_value(out))
 
 
 def iter_hf_tensors(model: Qwen3, dtype: str = "bfloat16"):
@@ -418,7 +418,9 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   """Writes a HF Qwen3 directory (config.json + safetensors [+ index]).
 
   Files are written under temporary names and renamed last, so a crash never
-  leaves a directory that looks complete but is not.
+  leaves a directory that looks complete but is not. Multi-process: every process
+  calls it (each tensor is gathered by a collective), process 0 writes, and all
+  return once the directory is complete.
 
   Args:
     tokenizer_dir: a tokenizer directory whose files are copied alongside.
@@ -437,7 +439,9 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
                                     or not chat_template.strip()):
     raise ValueError(f"save_hf: chat_template must be a non-empty string, got "
                      f"{chat_template!r:.80}")
-  os.makedirs(out_dir, exist_ok=True)
+  main = distributed.is_main()
+  if main:
+    os.makedirs(out_dir, exist_ok=True)
   # Shards are planned from shapes, then filled one at a time, so that at most one
   # shard (<= max_shard_bytes) is on the host while it is written.
   plan: list[list[tuple]] = [[]]
@@ -458,11 +462,16 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   weight_map = {}
   for fname, entries in zip(names, plan):
     shard = {name: _hf_value(var, layer, kind, dtype) for name, var, layer, kind in entries}
+    if not main:
+      continue
     tmp = os.path.join(out_dir, fname + ".tmp")
     save_file(shard, tmp, metadata={"format": "pt"})
     del shard
     written.append((tmp, os.path.join(out_dir, fname)))
     weight_map.update({name: fname for name, *_ in entries})
+  if not main:
+    distributed.barrier(f"save_hf {out_dir}")
+    return
   if len(plan) > 1:
     index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
     tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
@@ -484,6 +493,7 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
         shutil.copy(src, os.path.join(out_dir, fname))
     if chat_template is not None:
       _write_chat_template(out_dir, chat_template)
+  distributed.barrier(f"save_hf {out_dir}")
 
 
 def _write_chat_template(out_dir: str, chat_template: str) -> None:

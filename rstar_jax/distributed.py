@@ -1,0 +1,164 @@
+"""Multi-process JAX: start-up from flags, environment or SLURM, and the few
+collectives the training loops need beyond the jitted step.
+
+One process per host (or per accelerator), JAX's own multi-controller runtime: every
+process runs the same program on its own devices of one global mesh. Process 0 is
+the driver: it alone generates rollouts, talks to the rollout and sandbox servers,
+writes logs, metrics and the HF exports, and hands each step's batch to the others
+(`share_from_main`). Checkpoints are written and read by every process (orbax).
+
+Single-process needs nothing: with no coordinator given (config, JAX_COORDINATOR_ADDRESS
+or SLURM with more than one task), `initialize` does nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+CPU_COLLECTIVES = ("gloo", "mpi", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+  """`config.distributed`: how this process joins the others (MaxText style).
+
+  Every field left at its default is taken from the environment: JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID; under SLURM (more than one task) JAX reads all
+  three from SLURM's variables.
+
+  Attributes:
+    coordinator_address: host:port of process 0's coordinator service.
+    num_processes: processes in the job (0: environment).
+    process_id: this process's index, 0 .. num_processes - 1 (-1: environment).
+    initialization_timeout_s: how long to wait for every process to join.
+    cpu_collectives: the CPU backend's cross-process collectives (gloo works
+      everywhere; "none" leaves JAX's default, which has none across processes).
+  """
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  initialization_timeout_s: int = 300
+  cpu_collectives: str = "gloo"
+
+  def __post_init__(self):
+    if self.cpu_collectives not in CPU_COLLECTIVES:
+      raise ValueError(f"DistributedConfig.cpu_collectives={self.cpu_collectives!r}; choose "
+                       f"from {CPU_COLLECTIVES}")
+    if self.num_processes < 0 or self.process_id < -1:
+      raise ValueError(f"DistributedConfig: num_processes ({self.num_processes}) must be >= 0 "
+                       f"and process_id ({self.process_id}) >= -1")
+    if self.num_processes and self.process_id >= self.num_processes:
+      raise ValueError(f"DistributedConfig: process_id {self.process_id} is not below "
+                       f"num_processes {self.num_processes}")
+    if self.initialization_timeout_s <= 0:
+      raise ValueError("DistributedConfig.initialization_timeout_s must be positive")
+
+
+def _env_int(name: str) -> int | None:
+  text = os.environ.get(name, "").strip()
+  if not text:
+    return None
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def _slurm_tasks() -> int:
+  if "SLURM_JOB_ID" not in os.environ:
+    return 0
+  return _env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS") or 0
+
+
+def resolve(cfg: DistributedConfig) -> dict[str, Any] | None:
+  """The arguments of `jax.distributed.initialize`, or None for a single process.
+
+  Explicit fields win over the environment; `{}` means "let JAX detect the cluster"
+  (SLURM)."""
+  address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  count = cfg.num_processes or _env_int("JAX_NUM_PROCESSES") or 0
+  pid = cfg.process_id if cfg.process_id >= 0 else _env_int("JAX_PROCESS_ID")
+  if address or count or pid is not None:
+    missing = [name for name, given in (("coordinator_address", bool(address)),
+                                        ("num_processes", bool(count)),
+                                        ("process_id", pid is not None)) if not given]
+    if missing:
+      raise ValueError(
+          f"distributed: {', '.join(missing)} not given; a multi-process run needs all "
+          "three (--config.distributed.* or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+          "JAX_PROCESS_ID)")
+    if pid >= count:
+      raise ValueError(f"distributed: process_id {pid} is not below num_processes {count}")
+    if count == 1:
+      return None
+    return {"coordinator_address": address, "num_processes": count, "process_id": pid}
+  if _slurm_tasks() > 1:
+    return {}
+  return None
+
+
+def initialize(cfg: DistributedConfig | None = None) -> bool:
+  """Joins the job's other processes (before any JAX computation). Returns True when
+  this is a multi-process run. Safe to call twice."""
+  cfg = cfg or DistributedConfig()
+  if jax.distributed.is_initialized():
+    return jax.process_count() > 1
+  args = resolve(cfg)
+  if args is None:
+    return False
+  if cfg.cpu_collectives != "none":
+    # Only the CPU client reads it; without it CPU processes cannot reduce across each other.
+    jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+  jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout_s, **args)
+  if jax.process_index() != 0:
+    logging.set_verbosity(logging.WARNING)   # one process speaks for the job
+  logging.info("distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
+
+
+def is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def multi_process() -> bool:
+  return jax.process_count() > 1
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all have arrived (no-op for one process)."""
+  if multi_process():
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def share_from_main(obj: Any = None) -> Any:
+  """Process 0's `obj` on every process (a JAX collective; no-op for one process).
+
+  Any picklable value (a step's batch of numpy arrays, its metrics): its size goes
+  first, so the other processes need not know its shape."""
+  if not multi_process():
+    return obj
+  from jax.experimental import multihost_utils
+  payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_main() else b""
+  size = int(multihost_utils.broadcast_one_to_all(np.array(len(payload), np.int64)))
+  buf = np.zeros(size, np.uint8)
+  if is_main():
+    buf[:] = np.frombuffer(payload, np.uint8)
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  return obj if is_main() else pickle.loads(buf.tobytes())
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+  """The whole of a (possibly multi-process, sharded) array on this host."""
+  if multi_process() and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))

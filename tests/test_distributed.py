@@ -1,0 +1,60 @@
+"""distributed.resolve: which arguments reach jax.distributed.initialize."""
+import pytest
+
+from rstar_jax import distributed as d
+
+_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+         "SLURM_NTASKS", "SLURM_NPROCS")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+  for v in _VARS:
+    monkeypatch.delenv(v, raising=False)
+
+
+def test_single_process_needs_nothing():
+  assert d.resolve(d.DistributedConfig()) is None
+  assert d.initialize() is False
+
+
+def test_explicit_fields():
+  cfg = d.DistributedConfig(coordinator_address="h0:1234", num_processes=4, process_id=0)
+  assert d.resolve(cfg) == {"coordinator_address": "h0:1234", "num_processes": 4,
+                            "process_id": 0}
+
+
+def test_environment_and_explicit_fields_mix(monkeypatch):
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "h0:9")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert d.resolve(d.DistributedConfig()) == {"coordinator_address": "h0:9",
+                                              "num_processes": 2, "process_id": 1}
+  assert d.resolve(d.DistributedConfig(process_id=0))["process_id"] == 0
+
+
+def test_slurm_is_left_to_jax(monkeypatch):
+  monkeypatch.setenv("SLURM_JOB_ID", "77")
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert d.resolve(d.DistributedConfig()) is None
+  monkeypatch.setenv("SLURM_NTASKS", "8")
+  assert d.resolve(d.DistributedConfig()) == {}
+
+
+def test_incomplete_or_bad_settings_are_named(monkeypatch):
+  with pytest.raises(ValueError, match="num_processes, process_id not given"):
+    d.resolve(d.DistributedConfig(coordinator_address="h0:1"))
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+    d.resolve(d.DistributedConfig())
+  with pytest.raises(ValueError, match="process_id 2 is not below num_processes 2"):
+    d.DistributedConfig(num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="cpu_collectives"):
+    d.DistributedConfig(cpu_collectives="nccl")
+
+
+def test_one_process_helpers_are_identities():
+  obj = {"a": [1, 2]}
+  assert d.share_from_main(obj) is obj
+  assert d.is_main() and not d.multi_process()
+  d.barrier("nothing to wait for")
