@@ -35,6 +35,10 @@ flags.DEFINE_float("peak_tflops", 0.0, "per-device dense peak for MFU (0: measur
 flags.DEFINE_string("remat", "", "override the model's remat_policy (e.g. full)")
 flags.DEFINE_boolean("tiny", False, "CPU-sized model and batch (CI)")
 flags.DEFINE_string("out", "", "JSON output (default: print only)")
+flags.DEFINE_string("coordinator_address", "", "multi-host: process 0's host:port (or "
+                    "JAX_COORDINATOR_ADDRESS; SLURM is detected)")
+flags.DEFINE_integer("num_processes", 0, "multi-host: processes (or JAX_NUM_PROCESSES)")
+flags.DEFINE_integer("process_id", -1, "multi-host: this process (or JAX_PROCESS_ID)")
 FLAGS = flags.FLAGS
 
 
@@ -51,6 +55,10 @@ def _mesh_shape(spec: str) -> dict[str, int]:
 def main(argv):
   if len(argv) > 1:
     sys.exit(f"unexpected arguments {argv[1:]}")
+  from rstar_jax import distributed
+  distributed.initialize(distributed.DistributedConfig(
+      coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id))
   import jax
   import numpy as np
 
@@ -106,7 +114,7 @@ def main(argv):
                             mesh=mesh, state_shardings=shardings, donate=True)
   cost = roofline.xla_cost(step, state, batch)
   state, m = step(state, batch)
-  loss0 = float(jax.device_get(m["loss"]))
+  loss0 = float(distributed.host_value(m["loss"]))
   compile_s = time.perf_counter() - t
   times = []
   for _ in range(FLAGS.steps):
@@ -114,7 +122,7 @@ def main(argv):
     state, m = step(state, batch)
     jax.block_until_ready(m["loss"])
     times.append(time.perf_counter() - t)
-  loss = float(jax.device_get(m["loss"]))
+  loss = float(distributed.host_value(m["loss"]))
   if not (np.isfinite(loss0) and np.isfinite(loss)):
     sys.exit(f"non-finite loss: first {loss0}, last {loss}")
   med = statistics.median(times)
@@ -137,6 +145,8 @@ def main(argv):
   print(f"step {1e3 * med:.1f} ms (median of {FLAGS.steps}), {tokens / med:,.0f} tokens/s; "
         f"model {flops / 1e12:.4f} TFLOP per step -> {achieved:,.1f} GFLOP/s; peak "
         f"{peak:,.1f} GFLOP/s ({peak_src}): MFU {100 * mfu:.1f}%")
+  if not distributed.is_main():
+    return
   results_json.write(FLAGS.out, {
       "benchmark": "gpu_smoke", "backend": jax.default_backend(),
       "devices": [f"{d.platform} {getattr(d, 'device_kind', '')}" for d in devices],

@@ -13,6 +13,7 @@ produced are finished (see `check_workdir`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 from absl import logging
 from flax import nnx
 
-from rstar_jax import config_utils, sharding
+from rstar_jax import config_utils, distributed, sharding
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
@@ -98,6 +99,8 @@ class RecipeConfig:
   compile_cache: bool = True
   allow_random_init: bool = False
   allow_config_change: bool = False
+  distributed: distributed.DistributedConfig = dataclasses.field(
+      default_factory=distributed.DistributedConfig)
   mesh: sharding.MeshConfig = dataclasses.field(default_factory=sharding.MeshConfig)
   model: model_config.ModelConfig = dataclasses.field(
       default_factory=lambda: model_config.ModelConfig(preset="tiny"))
@@ -149,6 +152,8 @@ def _done(workdir: str, stage: str) -> dict | None:
 
 
 def _mark_done(workdir: str, stage: str, summary: dict) -> None:
+  if not distributed.is_main():
+    return
   path = os.path.join(workdir, stage, "DONE.json")
   with open(path + ".tmp", "w") as f:
     json.dump(summary, f, indent=2, default=float)
@@ -202,9 +207,10 @@ def check_workdir(cfg: RecipeConfig) -> str:
                       "; ".join(changes), path)
     else:
       return workdir
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+  if distributed.is_main():
+    with open(path + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(path + ".tmp", path)
   return workdir
 
 
@@ -287,6 +293,9 @@ def build_context(cfg: RecipeConfig, tools, workdir: str | None = None, tokenize
                   ) -> Context:
   workdir = workdir or os.path.abspath(cfg.workdir)
   mesh, rules = cfg.mesh.make(), cfg.mesh.logical_rules()
+  if tokenizer is None and distributed.is_main():   # a toy tokenizer is trained once
+    tokenizer = sources.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
+  distributed.barrier("tokenizer")
   tok = tokenizer or sources.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
   proto = chat.ChatProtocol(tok, cfg.chat)
   train, evals = sources.load_problems(cfg.data, seed=cfg.seed)
@@ -330,8 +339,14 @@ def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
   if os.path.exists(cache):
     with open(cache) as f:
       return [by_uid[u] for u in json.load(f)["uids"]]
+  engines = ctx.engines_for(model, "stage3-filter")   # every process: a collective export
+  uids = distributed.share_from_main(
+      _unsolved(ctx, engines, stage_cfg, cache) if distributed.is_main() else None)
+  return [by_uid[u] for u in uids]
+
+
+def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str) -> list[str]:
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
-  engines = ctx.engines_for(model, "stage3-filter")
   groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
                             stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
@@ -343,7 +358,7 @@ def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
     json.dump({"uids": uids, "pool": len(pool), "k": stage_cfg.hard_k}, f)
   logging.info("stage 3: %d of %d problems not solved %d/%d", len(uids), len(pool),
                stage_cfg.hard_k, stage_cfg.hard_k)
-  return [by_uid[u] for u in uids]
+  return uids
 
 
 def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
@@ -378,8 +393,13 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
+  engines = ctx.engines_for(model, f"eval-{name}")   # every process: a collective export
+  return distributed.share_from_main(_evaluate(ctx, engines, name, source)
+                                     if distributed.is_main() else None)
+
+
+def _evaluate(ctx: Context, engines, name: str, source: str):
   e = ctx.config.eval
-  engines = ctx.engines_for(model, f"eval-{name}")
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
@@ -432,11 +452,29 @@ def _last_done(workdir: str, before: str) -> str | None:
   return done[-1] if done else None
 
 
+def start_distributed(cfg: RecipeConfig) -> None:
+  """Joins the job's other processes (config.distributed, JAX_* env, SLURM), if any."""
+  if distributed.initialize(cfg.distributed) and cfg.rollout.backend == "jax":
+    raise config_utils.ConfigError(
+        "a multi-process run generates on rollout servers: set --config.rollout.backend="
+        "server or sglang with --config.rollout.servers (the in-process 'jax' engine would "
+        "need the whole model on process 0)")
+
+
+def _tools(cfg: RecipeConfig):
+  """The tool executor; tools run where rollouts are generated, on process 0."""
+  if distributed.is_main():
+    return tools_lib.build_tools(cfg.tools)
+  return contextlib.nullcontext(None)
+
+
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
   cfg = build_config(config)
+  start_distributed(cfg)
   workdir = check_workdir(cfg)
-  print(f"config ({os.path.join(workdir, 'config.json')}):\n{resolved_json(cfg)}")
+  if distributed.is_main():
+    print(f"config ({os.path.join(workdir, 'config.json')}):\n{resolved_json(cfg)}")
   todo = plan(cfg, workdir, stages)
   reports: dict[str, Any] = {}
   if not todo:
@@ -445,14 +483,14 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     config_utils.enable_compile_cache(os.path.join(workdir, "compile_cache"))
   # Held to the end, tear-down included: a signal that lands after the last step still
   # lets the stage in flight finish and the servers stop in order.
-  with interrupt.StopRequests() as stop, tools_lib.build_tools(cfg.tools) as tools:
+  with interrupt.StopRequests() as stop, _tools(cfg) as tools:
     ctx = build_context(cfg, tools, workdir)
     try:
       reports = _run_stages(cfg, ctx, workdir, todo, stop)
     finally:
       if ctx.engines is not None:
         ctx.engines.stop()
-    plot = progress_plot.plot_rl_progress(workdir, RL_STAGES)
+    plot = progress_plot.plot_rl_progress(workdir, RL_STAGES) if distributed.is_main() else None
     if plot:
       print(f"plot: {plot}")
     if stop.requested:
@@ -482,7 +520,8 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
       if cfg.eval.after_sft:
         check_stop(stage)
         reports["after_sft"] = run_eval(ctx, model, "after_sft")
-        print(reports["after_sft"].to_table())
+        if distributed.is_main():
+          print(reports["after_sft"].to_table())
     else:
       model = run_rl_stage(ctx, stage, model, prev if prev in RL_STAGES else None)
     check_stop(stage)
@@ -492,12 +531,15 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
       model = load_stage_model(ctx, prev) if prev else initial_model(
           cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
     reports["final"] = run_eval(ctx, model, "final")
-    print(reports["final"].to_table())
+    if distributed.is_main():
+      print(reports["final"].to_table())
     _print_gain(workdir, reports["final"])
   return reports
 
 
 def _print_gain(workdir: str, final) -> None:
+  if not distributed.is_main():
+    return
   sft_report = os.path.join(workdir, "eval_after_sft.json")
   if os.path.exists(sft_report):
     with open(sft_report) as f:
@@ -512,6 +554,7 @@ def evaluate_hf_dir(config, hf_dir: str):
   trained with); the report records the directory and seed (<workdir>/eval_hf_dir.json)."""
   from rstar_jax.model import tokenizer as tokenizer_lib
   cfg = build_config(config)
+  start_distributed(cfg)
   if not os.path.exists(os.path.join(hf_dir, "config.json")):
     raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
@@ -525,7 +568,7 @@ def evaluate_hf_dir(config, hf_dir: str):
         "--config.tokenizer.path=DIR")
   workdir = os.path.abspath(cfg.workdir)
   os.makedirs(workdir, exist_ok=True)
-  with tools_lib.build_tools(cfg.tools) as tools:
+  with _tools(cfg) as tools:
     ctx = build_context(cfg, tools, workdir, tokenizer=tok)
     model = hf_io.load_hf(hf_dir, mesh=ctx.mesh, rules=ctx.rules, **runtime_overrides(cfg))
     try:

@@ -85,3 +85,23 @@ def test_export_from_two_processes_equals_the_single_process_export(jobs):
   assert sorted(os.listdir(a)) == sorted(os.listdir(b)) == ["config.json", "model.safetensors"]
   for name in os.listdir(a):
     assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_gpu_smoke_entry_point_runs_as_two_processes():
+  port = _free_port()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "experiments.gpu_smoke", "--tiny", "--steps", "2",
+       "--mesh", "data=1,fsdp=4,tensor=2", "--coordinator_address", f"127.0.0.1:{port}",
+       "--num_processes", "2", "--process_id", str(i)],
+      cwd=root, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+    assert "2 process(es), 8 device(s)" in log, log[-3000:]
+  assert "MFU" in logs[0]

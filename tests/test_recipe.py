@@ -175,6 +175,44 @@ def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight
   assert "config error" not in log
 
 
+def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, tmp_path):
+  """Multi-process JAX (issue 16): stage 1 as two trainer processes of one job (one CPU
+  device each, the params sharded fsdp=2 over both, gloo collectives). Process 0
+  generates on the rollout server and hands every step's batch to process 1; the
+  metrics equal the single-process in-process run's, and only process 0 writes them."""
+  from tests.rollout.conftest import ServerProcess, free_port
+  d = _copy_sft(recipe_dir[0], tmp_path / "two_proc")
+  server = ServerProcess(os.path.join(d, "sft", "export"), str(tmp_path), "s", num_slots=4,
+                         max_len=320, bucket=16, one_device=True)
+  port = free_port()
+  try:
+    server.wait_ready()
+    procs = [_run(d, *RL_ARGS, "--config.rollout.backend=server",
+                  f"--config.rollout.servers=('{server.url}',)",
+                  "--config.rollout.weight_sync.dtype=float32",
+                  "--config.mesh.enabled=True", "--config.mesh.fsdp=-1",
+                  f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                  "--config.distributed.num_processes=2",
+                  f"--config.distributed.process_id={i}", wait=False) for i in range(2)]
+    logs = []
+    try:
+      for p in procs:
+        logs.append(p.communicate(timeout=500)[0])
+    finally:
+      for p in procs:
+        p.kill()
+  finally:
+    server.kill()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
+  assert "process 0 of 2, 1 local / 2 global devices" in logs[0]
+  assert "RL:" in logs[0] and "RL:" not in logs[1]     # one progress bar, process 0's
+  rows = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
+  _assert_same_metrics(straight_rl, rows)              # written once per step
+  assert os.path.exists(os.path.join(d, "stage1", "DONE.json"))
+  assert sorted(os.listdir(os.path.join(d, "weight_sync"))) == ["stage1-step2", "stage1-step3"]
+
+
 def _assert_same_metrics(a, b):
   assert [r["step"] for r in b] == [1, 2, 3]
   for ra, rb in zip(a, b):

@@ -22,10 +22,10 @@ from typing import Sequence
 
 from absl import logging
 from flax import nnx
-import jax
 import numpy as np
 
 from rstar_jax import checkpoint as ckpt_lib
+from rstar_jax import distributed
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
 from rstar_jax import sharding
@@ -204,9 +204,31 @@ class RLTrainer:
       raise
 
   def _run_step(self) -> dict[str, float]:
-    config, step = self.config, self.step
+    step = self.step
+    batch = next(self.data)    # every process draws it: they all keep the data position
+    # Process 0 alone generates; every process gets its metrics and batch arrays.
+    prepared, error = None, None
+    if distributed.is_main():
+      try:
+        prepared = self._prepare(batch, step)
+      except BaseException as e:
+        error = e
+    shared = distributed.share_from_main(
+        ("error", f"{type(error).__name__}: {error}") if error is not None else prepared)
+    if error is not None:
+      raise error
+    if shared and shared[0] == "error":
+      raise RuntimeError(f"step {step}: process 0 failed preparing the batch ({shared[1]})")
+    metrics, arrays = shared
+    if arrays is None:
+      self.step += 1
+      return metrics
+    return self._update(metrics, arrays, step)
+
+  def _prepare(self, batch, step: int) -> tuple[dict[str, float], dict | None]:
+    """Rollouts, RoC, advantages -> (metrics, the padded batch arrays or None)."""
+    config = self.config
     t0 = time.perf_counter()
-    batch = next(self.data)
     groups = self.rollouts(batch, step)
     t_roll = time.perf_counter() - t0
     flat = [t for g in groups for t in g]
@@ -226,8 +248,7 @@ class RLTrainer:
     if not kept:
       logging.warning("step %d: every group was dropped; no update", step)
       metrics["update/skipped"] = 1.0
-      self.step += 1
-      return metrics
+      return metrics, None
 
     advs = adv_lib.compute_advantages([[t.reward for t in g] for g in kept], config.advantage)
     trajs = [t for g in kept for t in g]
@@ -239,17 +260,24 @@ class RLTrainer:
                                   max_len=self.max_batch_len(),
                                   fixed_rows=self.fixed_rows(rows),
                                   pad_id=self.tok.pad_id)
+    return metrics, arrays
+
+  def _update(self, metrics: dict[str, float], arrays: dict, step: int) -> dict[str, float]:
+    """The policy update from the step's batch (every process: the step is one
+    program over the global mesh), then the engines move to the new parameters."""
+    config = self.config
     t1 = time.perf_counter()
     if self.logprob_fn is not None:
-      arrays["old_logp"] = np.asarray(self.logprob_fn(
+      arrays["old_logp"] = distributed.host_value(self.logprob_fn(
           self.state.params, arrays["input_ids"], arrays["target_ids"],
           arrays["attention_mask"]))
     self._state_ok = False
     new_state, m = self.train_step(self.state, arrays)
-    m = jax.device_get(m)
+    m = {k: distributed.host_value(v) for k, v in m.items()}
     if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
       path = os.path.join(self.workdir, f"nonfinite_batch_step{step}.npz")
-      np.savez(path, **arrays)
+      if distributed.is_main():
+        np.savez(path, **arrays)
       raise FloatingPointError(f"step {step}: loss={m['loss']} grad_norm={m['grad_norm']}; "
                                f"batch saved to {path}; last checkpoint is intact")
     self.state = new_state
@@ -270,7 +298,7 @@ class RLTrainer:
     raises `interrupt.Interrupted`."""
     history = []
     bar = None
-    if progress:
+    if progress and distributed.is_main():
       from tqdm import tqdm
       bar = tqdm(total=num_steps, initial=min(self.step, num_steps), desc="RL", unit="step")
     try:
@@ -288,7 +316,9 @@ class RLTrainer:
             on_step(self.step, m)
           if self.step % self.config.checkpoint_every == 0:
             self.save()
-          if stop.requested and self.step < num_steps:
+          # Process 0's view of a signal decides for all: every process must stop at
+          # the same step, or the others would wait in the next step's collectives.
+          if distributed.share_from_main(stop.requested) and self.step < num_steps:
             self.save()
             raise interrupt.Interrupted(stop.signum, self.step)
     finally:

@@ -7,7 +7,8 @@ the trainer nor the same host (slime documents the same route for other vendors'
 engines). Each version is written under a temporary name and renamed when complete,
 so a server never reads half a checkpoint; `hf_io.save_hf` streams the parameters one
 tensor (one layer's slice) at a time, so the whole model is never gathered on one
-host. Old versions are removed, the served one and `keep - 1` before it kept.
+host. In a multi-process job every process calls `publish` (the export gathers each
+tensor by a collective); process 0 writes and updates the servers. Old versions are removed, the served one and `keep - 1` before it kept.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import shutil
 import time
 from typing import Any, Sequence
 
+from rstar_jax import distributed
 from rstar_jax.model import hf_io
 
 log = logging.getLogger(__name__)
@@ -83,29 +85,38 @@ class DiskWeightSync:
     self._count += 1
     version = str(version) if version is not None else f"v{self._count}"
     final = os.path.join(self.directory, version_dirname(version))
-    tmp = f"{final}.tmp-{os.getpid()}"
+    main = distributed.is_main()
+    # Multi-process: every process takes part in the export's gathers, process 0 writes
+    # and alone talks to the servers (the temporary name is its own).
+    tmp = distributed.share_from_main(f"{final}.tmp-{os.getpid()}")
     t0 = time.perf_counter()
-    shutil.rmtree(tmp, ignore_errors=True)    # a crashed earlier attempt
-    os.makedirs(self.directory, exist_ok=True)
+    if main:
+      shutil.rmtree(tmp, ignore_errors=True)    # a crashed earlier attempt
+      os.makedirs(self.directory, exist_ok=True)
     model = nnx.merge(self.graphdef, params)
     hf_io.save_hf(model, tmp, dtype=self.cfg.dtype)
-    nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-    if os.path.exists(final):                 # the same version again (a resumed run)
-      shutil.rmtree(final)
-    os.replace(tmp, final)
-    t1 = time.perf_counter()
-    per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
-    t2 = time.perf_counter()
+    last = None
+    if main:
+      nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+      if os.path.exists(final):                 # the same version again (a resumed run)
+        shutil.rmtree(final)
+      os.replace(tmp, final)
+      t1 = time.perf_counter()
+      per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
+      t2 = time.perf_counter()
+      if final in self.published:
+        self.published.remove(final)
+      self.published.append(final)
+      while len(self.published) > self.cfg.keep:
+        shutil.rmtree(self.published.pop(0), ignore_errors=True)
+      gb = nbytes / 1e9
+      last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
+              "sync/gb": gb, "sync/servers": float(len(per_server)),
+              "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
+    self.last = distributed.share_from_main(last)
     self.version = version
-    if final in self.published:
-      self.published.remove(final)
-    self.published.append(final)
-    while len(self.published) > self.cfg.keep:
-      shutil.rmtree(self.published.pop(0), ignore_errors=True)
-    gb = nbytes / 1e9
-    self.last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
-                 "sync/gb": gb, "sync/servers": float(len(per_server)),
-                 "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
+    if not main:
+      return self.last
     log.info("weight sync %s: %.3f GB written in %.2f s, %d server(s) updated in %.2f s",
              version, gb, t1 - t0, len(per_server), t2 - t1)
     return self.last

@@ -8,10 +8,10 @@ from typing import Sequence
 
 from absl import logging
 from flax import nnx
-import jax
 import numpy as np
 
 from rstar_jax import checkpoint as ckpt_lib
+from rstar_jax import distributed
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
 from rstar_jax import sharding
@@ -121,7 +121,8 @@ class SFTTrainer:
     batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
              for k, v in self.heldout.items()}
     s, t = self.eval_fn(self.state.params, batch)
-    return float(s) / max(float(t), 1.0)
+    s, t = float(distributed.host_value(s)), float(distributed.host_value(t))
+    return s / max(t, 1.0)
 
   def maybe_restore(self) -> bool:
     if self.ckpt.latest_step() is None:
@@ -138,12 +139,12 @@ class SFTTrainer:
     from tqdm import tqdm
     history = []
     with tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
-              disable=not progress) as bar, interrupt.StopRequests() as stop:
+              disable=not progress or not distributed.is_main()) as bar, interrupt.StopRequests() as stop:
       while self.step < self.total_steps:
         idx = self._batch_indices(self.step)
         batch = {k: v[idx] for k, v in self.rows.items()}
         self.state, m = self.step_fn(self.state, batch)
-        m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
+        m = {f"sft/{k}": float(distributed.host_value(v)) for k, v in m.items()}
         if not math.isfinite(m["sft/loss"]):
           raise FloatingPointError(f"SFT step {self.step}: non-finite loss")
         m["sft/learning_rate"] = float(optim.make_schedule(self.opt_cfg)(self.step))
@@ -156,9 +157,10 @@ class SFTTrainer:
         bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
         if on_step is not None:
           on_step(self.step, m)
-        if self.step % self.cfg.checkpoint_every == 0 or stop.requested:
+        stopping = distributed.share_from_main(stop.requested)   # the same step everywhere
+        if self.step % self.cfg.checkpoint_every == 0 or stopping:
           self.save()
-        if stop.requested and self.step < self.total_steps:
+        if stopping and self.step < self.total_steps:
           raise interrupt.Interrupted(stop.signum, self.step)
     self.save()
     return history
