@@ -60,6 +60,10 @@ class _Uncertain(Exception):
 class _Conflict(Exception):
   """409: a restarted server, or an id reused for another call."""
 
+  def __init__(self, message: str, restarted: bool = False):
+    super().__init__(message)
+    self.restarted = restarted
+
 
 class _Server:
   __slots__ = ("url", "up", "retry_at", "inflight", "probe", "failures", "instance")
@@ -104,7 +108,13 @@ class SandboxClient:
   def __init__(self, urls: Sequence[str] | str, *, max_concurrency: int = 64, batch_size: int = 16,
                max_retries: int = 5, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
                request_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
-               health_interval_s: float = 2.0):
+               health_interval_s: float = 2.0, rerun_lost: bool = False):
+    """rerun_lost: calls sent to a server that then died (or restarted) without answering
+    are run again on another server, instead of being reported as "may have run". Their
+    first run left nothing behind (it lived in the dead server's sandbox), so for
+    stateless calls this loses nothing but time; the default keeps the strict promise
+    that a call is never started twice. Calls of a session are never re-run (their
+    state died with the server)."""
     if isinstance(urls, str):
       urls = [urls]
     if not urls:
@@ -118,6 +128,7 @@ class SandboxClient:
     if max_retries < 0 or backoff_s < 0 or max_backoff_s < 0:
       raise ValueError("SandboxClient: max_retries, backoff_s and max_backoff_s must be >= 0")
     self._servers = [_Server(u) for u in urls]
+    self.rerun_lost = rerun_lost
     self.max_concurrency = max_concurrency
     self.batch_size = batch_size
     self.max_retries = max_retries
@@ -235,6 +246,13 @@ class SandboxClient:
           data = await self._post(server, payload)
         except _NotSent as e:  # connection refused, or a 5xx: nothing was run there
           last_error = f"{server.url}: {e}"
+          if pinned is not None and e.refused and self._may_rerun(sid):
+            log.warning("%s went away after %d call(s) were sent; running them elsewhere",
+                        server.url, len(idx))
+            self._mark_down(server, str(e))
+            pinned = None
+            payload.pop("expect_instance", None)
+            continue
           if pinned is not None and e.refused:
             # The server that may have run these calls is gone: never run them twice.
             self._fill(results, idx, f"{server.url} went away after the calls were sent "
@@ -251,6 +269,12 @@ class SandboxClient:
           pinned = server
           continue
         except _Conflict as e:
+          if e.restarted and pinned is not None and self._may_rerun(sid):
+            log.warning("%s restarted after %d call(s) were sent; running them again",
+                        server.url, len(idx))
+            pinned = None
+            payload.pop("expect_instance", None)
+            continue
           self._fill(results, idx, f"{server.url}: {e}")
           return
         except asyncio.TimeoutError:
@@ -279,13 +303,17 @@ class SandboxClient:
     finally:
       await self._budget.release(taken)
 
+  def _may_rerun(self, sid: str | None) -> bool:
+    return self.rerun_lost and sid is None
+
   async def _post(self, server: _Server, payload: dict) -> Any:
     try:
       async with self._session().post(f"{server.url}/execute", json=payload) as resp:
         if resp.status >= 500:
           raise _NotSent(f"HTTP {resp.status}: {(await resp.text())[:200]}")
         if resp.status == 409:
-          raise _Conflict(f"HTTP 409: {(await resp.text())[:500]}")
+          text = (await resp.text())[:500]
+          raise _Conflict(f"HTTP 409: {text}", restarted="restarted since" in text)
         if resp.status != 200:
           raise ValueError(f"sandbox server {server.url} rejected the request "
                            f"(HTTP {resp.status}): {(await resp.text())[:500]}")

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -211,6 +212,80 @@ def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, 
   _assert_same_metrics(straight_rl, rows)              # written once per step
   assert os.path.exists(os.path.join(d, "stage1", "DONE.json"))
   assert sorted(os.listdir(os.path.join(d, "weight_sync"))) == ["stage1-step2", "stage1-step3"]
+
+
+def test_rl_stage_on_a_ray_fleet_survives_a_killed_sandbox_server(recipe_dir, straight_rl,
+                                                                  tmp_path):
+  """Issue 16: a real local Ray cluster (2 CPUs) launches 2 sandbox servers, 1 rollout
+  server and the trainer as actors; one sandbox server is SIGKILLed after the first
+  step. Its actor restarts it on the same URL, the calls it held run again elsewhere,
+  and the stage's metrics equal the in-process run's: no call lost."""
+  import ray
+  from rstar_jax import cluster
+  d = _copy_sft(recipe_dir[0], tmp_path / "fleet")
+  cfg = cluster.ClusterConfig(
+      sandbox_servers=2, sandbox_cpus=0.5, rollout_servers=1, rollout_cpus=0.5,
+      rollout_hf_dir=os.path.join(d, "sft", "export"),
+      rollout_args=("--num_slots", "4", "--max_len", "320", "--min_prefill_bucket", "16"),
+      trainer_processes=1, trainer_cpus=0.5, trainer_config=SMOKE,
+      trainer_args=(f"--config.workdir={d}", *RL_ARGS,
+                    "--config.rollout.weight_sync.dtype=float32"),
+      log_dir=str(tmp_path / "logs"), startup_timeout_s=240)
+  # One CPU device per process, as the in-process reference ran.
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+           runtime_env={"env_vars": {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
+                                     "PYTHONPATH": REPO}})
+  fleet = None
+  try:
+    fleet = cluster.Cluster(cfg)
+    assert len(fleet.sandbox_urls) == 2 and len(fleet.rollout_urls) == 1
+    victim = fleet.info["sandbox"][0]
+    fleet.start_trainers()
+    path = os.path.join(d, "stage1", "metrics_rl.jsonl")
+    deadline = time.time() + 400
+    while time.time() < deadline and not (os.path.exists(path) and _metrics(path)):
+      assert fleet.wait_trainers(timeout=0.2) == [None], fleet.trainer_logs()[0]
+    # The smoke policy writes few well-formed tool calls, so the test also sends a batch
+    # of its own through the fleet's sandbox URLs (the client the trainer uses) and
+    # kills the victim while it runs some of them, mid-stage.
+    from sandbox.client import SyncSandboxClient
+    from sandbox.launcher import health
+    calls = [{"code": f"import time\ntime.sleep(0.3)\nprint({i})", "timeout": 30}
+             for i in range(24)]
+    got = []
+    client = SyncSandboxClient(fleet.sandbox_urls, batch_size=2, max_concurrency=8,
+                               backoff_s=0.2, rerun_lost=True)
+    worker = threading.Thread(target=lambda: got.extend(client.execute(calls)))
+    worker.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not (health(victim["url"], 1.0) or {}).get("running"):
+      time.sleep(0.01)
+    os.kill(victim["pid"], signal.SIGKILL)
+    worker.join(120)
+    client.close()
+    assert [(r.status, r.stdout) for r in got] == [("ok", f"{i}\n") for i in range(24)]
+    assert {r.server for r in got} <= set(fleet.sandbox_urls)
+    codes = fleet.wait_trainers(timeout=400)
+    assert codes == [0], fleet.trainer_logs()[0]
+    deadline = time.time() + 60
+    while time.time() < deadline and not _healthy_again(fleet, victim):
+      time.sleep(0.2)
+    after = fleet.server_info()["sandbox"][0]
+    assert after["restarts"] == 1 and after["url"] == victim["url"]
+    assert after["pid"] != victim["pid"]
+  finally:
+    if fleet is not None:
+      fleet.shutdown()
+    ray.shutdown()
+  rows = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
+  _assert_same_metrics(straight_rl, rows)
+  assert all(r["sync/servers"] == 1.0 for r in rows)
+
+
+def _healthy_again(fleet, victim) -> bool:
+  from sandbox.launcher import health
+  info = fleet.server_info()["sandbox"][0]
+  return info["pid"] != victim["pid"] and (health(victim["url"], 1.0) or {}).get("pid") == info["pid"]
 
 
 def _assert_same_metrics(a, b):

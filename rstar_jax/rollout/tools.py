@@ -28,6 +28,11 @@ class ToolsConfig:
     timeout_s: wall-clock limit of one tool call.
     max_concurrency: calls in flight from this process.
     batch_size: calls per HTTP request.
+    rerun_lost_calls: a call whose sandbox server died (or restarted) before answering
+      runs again on another server. Tool calls of a rollout are stateless and their
+      first run left nothing behind, so this only costs time; off, such a call comes
+      back as an internal error in the trajectory (the sandbox client's strict
+      never-started-twice promise).
   """
   backend: str = "sandbox"
   urls: tuple[str, ...] = ()
@@ -35,6 +40,7 @@ class ToolsConfig:
   timeout_s: float = 10.0
   max_concurrency: int = 64
   batch_size: int = 16
+  rerun_lost_calls: bool = True
 
   def __post_init__(self):
     TOOL_BACKENDS.lookup(self.backend)
@@ -64,12 +70,13 @@ class SandboxTools:
   """
 
   def __init__(self, urls: Sequence[str] | str, *, timeout_s: float = 5.0,
-               max_concurrency: int = 64, batch_size: int = 16):
+               max_concurrency: int = 64, batch_size: int = 16, rerun_lost: bool = True):
     self.urls = [urls] if isinstance(urls, str) else list(urls)
     if not self.urls:
       raise ValueError("SandboxTools: no sandbox server URL given")
     self.timeout_s = timeout_s
-    self._kw = dict(max_concurrency=max_concurrency, batch_size=batch_size)
+    self._kw = dict(max_concurrency=max_concurrency, batch_size=batch_size,
+                    rerun_lost=rerun_lost)
     self._clients: dict[int, Any] = {}
 
   def _client(self):
@@ -103,7 +110,7 @@ class SandboxTools:
 @contextlib.contextmanager
 def _sandbox(cfg: ToolsConfig) -> Iterator[SandboxTools]:
   kw = dict(timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
-            batch_size=cfg.batch_size)
+            batch_size=cfg.batch_size, rerun_lost=cfg.rerun_lost_calls)
   if cfg.urls:
     yield SandboxTools(list(cfg.urls), **kw)
     return

@@ -218,6 +218,38 @@ def test_a_server_that_dies_after_taking_the_request_gets_no_rerun_elsewhere():
   asyncio.run(main())
 
 
+def test_rerun_lost_runs_the_calls_of_a_dead_server_elsewhere():
+  """The opt-in for stateless work (RL tool calls): the same death as above, and the
+  calls run on B instead of coming back as "may have run"; a session call still does not."""
+  async def main():
+    a, b = Stub(drop_first=1), Stub()
+    urls = [await a.start(), await b.start()]
+    async with SandboxClient(urls, batch_size=8, backoff_s=0.2, rerun_lost=True) as client:
+      client._rr = 1
+      task = asyncio.ensure_future(client.execute(_calls(3)))
+      while a.requests == 0:
+        await asyncio.sleep(0.01)
+      await a.stop()
+      rs = await task
+      assert [(r.status, r.stdout, r.server) for r in rs] == [
+          ("ok", f"c{i}", urls[1]) for i in range(3)]
+      assert b.requests == 1 and all(n == 1 for n in b.ran.values())
+    await b.stop()
+    a, b = Stub(drop_first=1), Stub()
+    urls = [await a.start(), await b.start()]
+    async with SandboxClient(urls, batch_size=8, backoff_s=0.2, rerun_lost=True) as client:
+      client._rr = 1
+      task = asyncio.ensure_future(client.execute(
+          [dict(code="x = 1", session_id="s1"), dict(code="print(x)", session_id="s1")]))
+      while a.requests == 0:
+        await asyncio.sleep(0.01)
+      await a.stop()
+      rs = await task
+      assert [r.status for r in rs] == ["internal_error"] * 2 and b.requests == 0
+    await b.stop()
+  asyncio.run(main())
+
+
 def test_client_ids_are_unique_and_kept_when_given():
   async def main():
     stub = Stub()

@@ -1,0 +1,345 @@
+"""Fleets on Ray: sandbox servers, rollout servers and the trainer processes as actors.
+
+Ray places and supervises the processes; it carries no data. Each server actor runs
+one server process (`python -m sandbox.server`, `python -m rstar_jax.rollout.server`
+or SGLang's `sglang.launch_server`) on a port of its node and restarts it on the same
+port when it dies, so the URLs handed to the trainer stay valid: the sandbox client's
+rotation and the rollout scheduler ride out the gap over HTTP as they do for any
+server. The trainer processes are one multi-process JAX job (`config.distributed`
+filled in here); process 0 drives the rollouts over the URLs.
+
+Entry point: `python -m experiments.launch_cluster --config experiments/configs/cluster_toy.py`.
+Ray is optional (`pip install -r requirements-cluster.txt`); nothing else imports this.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLLOUT_BACKENDS = ("server", "sglang")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+  """`config.cluster` of a launch config.
+
+  Attributes:
+    ray_address: "" starts a Ray instance in this process (one machine); "auto" or
+      "ray://host:10001" joins a running cluster.
+    placement: Ray placement-group strategy for all processes (SPREAD, PACK, ...).
+    sandbox_servers / sandbox_cpus / sandbox_args: tool-call servers, the CPUs each
+      reserves (give a whole node's cores to one server, or K cores each), and extra
+      `sandbox.server` flags (e.g. --max-children 32).
+    rollout_servers / rollout_backend / rollout_hf_dir / rollout_cpus / rollout_gpus /
+      rollout_args: inference servers ("server": ours, "sglang": SGLang) serving the
+      HF checkpoint `rollout_hf_dir`, their resources and extra flags.
+    trainer_processes / trainer_cpus / trainer_gpus: the JAX job (one process per host).
+    trainer_module / trainer_config / trainer_args: what the trainer processes run:
+      `python -m <module> --config <config> <args>` plus the URLs and the distributed
+      settings made here.
+    max_restarts: restarts of one server process before its actor gives up.
+    log_dir: every process's log (`<role><i>.log`).
+    startup_timeout_s: how long a server may take to answer /health.
+  """
+  ray_address: str = ""
+  placement: str = "SPREAD"
+  sandbox_servers: int = 1
+  sandbox_cpus: float = 1.0
+  sandbox_args: tuple[str, ...] = ()
+  rollout_servers: int = 1
+  rollout_backend: str = "server"
+  rollout_hf_dir: str = ""
+  rollout_cpus: float = 1.0
+  rollout_gpus: float = 0.0
+  rollout_args: tuple[str, ...] = ()
+  trainer_processes: int = 1
+  trainer_cpus: float = 1.0
+  trainer_gpus: float = 0.0
+  trainer_module: str = "experiments.recipe"
+  trainer_config: str = "experiments/configs/toy.py"
+  trainer_args: tuple[str, ...] = ()
+  max_restarts: int = 3
+  log_dir: str = "/tmp/rstar_cluster"
+  startup_timeout_s: float = 300.0
+
+  def __post_init__(self):
+    if self.rollout_backend not in ROLLOUT_BACKENDS:
+      raise ValueError(f"ClusterConfig.rollout_backend={self.rollout_backend!r}; choose from "
+                       f"{ROLLOUT_BACKENDS}")
+    if self.rollout_servers and not self.rollout_hf_dir:
+      raise ValueError("ClusterConfig.rollout_hf_dir: the checkpoint the rollout servers start "
+                       "from (the trainer then sends them its weights) must be set")
+    for name in ("sandbox_servers", "rollout_servers", "max_restarts"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.trainer_processes < 0:
+      raise ValueError("ClusterConfig.trainer_processes must be >= 0 (0: servers only)")
+    for name in ("sandbox_cpus", "rollout_cpus", "rollout_gpus", "trainer_cpus",
+                 "trainer_gpus"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def free_port(host: str = "") -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+  # The server must not outlive its actor (Ray kills actors with SIGKILL).
+  import ctypes
+  ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
+def _healthy(url: str) -> bool:
+  try:
+    with urllib.request.urlopen(url + "/health", timeout=2.0) as r:
+      return r.status == 200
+  except Exception:  # noqa: BLE001 - any failure means "not (yet) healthy"
+    return False
+
+
+def server_command(role: str, cfg: ClusterConfig, host: str, port: int) -> list[str]:
+  """The command line of one server of `role` ("sandbox" or "rollout")."""
+  py = sys.executable
+  if role == "sandbox":
+    weak = (["--allow-weak-isolation"]
+            if os.environ.get("SANDBOX_ALLOW_WEAK_ISOLATION", "") == "1" else [])
+    return [py, "-m", "sandbox.server", "--host", host, "--port", str(port), *weak,
+            *cfg.sandbox_args]
+  if cfg.rollout_backend == "server":
+    return [py, "-m", "rstar_jax.rollout.server", "--hf_dir", cfg.rollout_hf_dir,
+            "--host", host, "--port", str(port), *cfg.rollout_args]
+  return [py, "-m", "sglang.launch_server", "--model-path", cfg.rollout_hf_dir,
+          "--host", host, "--port", str(port), *cfg.rollout_args]
+
+
+class ServerProcess:
+  """One server process, restarted on the same port when it exits (the body of the
+  Ray actor; usable without Ray)."""
+
+  def __init__(self, role: str, index: int, cfg: ClusterConfig, env: dict[str, str]):
+    import ray
+    self.role, self.index, self.cfg = role, index, cfg
+    self.host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    self.port = free_port()
+    self.url = f"http://{self.host}:{self.port}"
+    self.env = dict(os.environ, **env)
+    self.env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, self.env.get("PYTHONPATH"))
+                                             if p)
+    self.log_path = os.path.join(cfg.log_dir, f"{role}{index}.log")
+    self.restarts = 0
+    self.gave_up = ""
+    self._stop = threading.Event()
+    self._start()
+    self._watch = threading.Thread(target=self._supervise, daemon=True)
+    self._watch.start()
+
+  def _start(self) -> None:
+    os.makedirs(self.cfg.log_dir, exist_ok=True)
+    with open(self.log_path, "ab") as log:
+      self.proc = subprocess.Popen(server_command(self.role, self.cfg, self.host, self.port),
+                                   cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + self.cfg.startup_timeout_s
+    while time.monotonic() < deadline and self.proc.poll() is None:
+      if _healthy(self.url):
+        return
+      time.sleep(0.2)
+    raise RuntimeError(f"{self.role} server {self.index} at {self.url} did not become "
+                       f"healthy ({'exited ' + str(self.proc.returncode) if self.proc.poll() is not None else 'timed out'}); "
+                       f"log tail:\n{self.log_tail()}")
+
+  def _supervise(self) -> None:
+    while not self._stop.wait(0.5):
+      if self.proc.poll() is None:
+        continue
+      if self.restarts >= self.cfg.max_restarts:
+        self.gave_up = f"exited {self.proc.returncode} after {self.restarts} restart(s)"
+        return
+      self.restarts += 1
+      with open(self.log_path, "a") as f:
+        f.write(f"\n[cluster] {self.role}{self.index} exited {self.proc.returncode}; "
+                f"restart {self.restarts} on the same port\n")
+      try:
+        self._start()
+      except Exception as e:  # noqa: BLE001 - counted as a failed restart; tried again
+        with open(self.log_path, "a") as f:
+          f.write(f"[cluster] restart failed: {e}\n")
+
+  def info(self) -> dict[str, Any]:
+    return {"role": self.role, "index": self.index, "url": self.url, "pid": self.proc.pid,
+            "restarts": self.restarts, "gave_up": self.gave_up, "log": self.log_path}
+
+  def log_tail(self, n: int = 3000) -> str:
+    try:
+      with open(self.log_path, "rb") as f:
+        return f.read()[-n:].decode(errors="replace")
+    except OSError:
+      return ""
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(10)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+class TrainerProcess:
+  """One process of the trainer job (the body of its Ray actor)."""
+
+  def __init__(self, index: int, cfg: ClusterConfig):
+    import ray
+    self.index, self.cfg = index, cfg
+    self.host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    self.proc: subprocess.Popen | None = None
+    self.log_path = os.path.join(cfg.log_dir, f"trainer{index}.log")
+
+  def address(self) -> str:
+    """A coordinator address on this node (asked of process 0 only)."""
+    return f"{self.host}:{free_port()}"
+
+  def start(self, args: Sequence[str], env: dict[str, str]) -> None:
+    env = dict(os.environ, **env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    os.makedirs(self.cfg.log_dir, exist_ok=True)
+    with open(self.log_path, "ab") as log:
+      self.proc = subprocess.Popen(
+          [sys.executable, "-m", self.cfg.trainer_module, "--config", self.cfg.trainer_config,
+           *args, *self.cfg.trainer_args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+          stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+
+  def wait(self, timeout: float | None = None) -> int | None:
+    try:
+      return self.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      return None
+
+  def log_tail(self, n: int = 3000) -> str:
+    with open(self.log_path, "rb") as f:
+      return f.read()[-n:].decode(errors="replace")
+
+  def stop(self) -> None:
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)   # the trainer saves at the step boundary
+      try:
+        self.proc.wait(60)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+def _tuple_text(items: Sequence[str]) -> str:
+  return "(" + "".join(f"'{x}'," for x in items) + ")"
+
+
+class Cluster:
+  """The launched fleet: `sandbox_urls`, `rollout_urls`, the trainer actors."""
+
+  def __init__(self, cfg: ClusterConfig):
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    self.cfg = cfg
+    t0 = time.perf_counter()
+    if not ray.is_initialized():
+      # The actors import this module: the checkout must be at the same path on every
+      # node (shared storage), as the weight-sync directory must.
+      env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+          p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}}
+      if cfg.ray_address:
+        ray.init(address=cfg.ray_address, log_to_driver=False, runtime_env=env)
+      else:
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=env)
+    roles = ([("sandbox", cfg.sandbox_cpus, 0.0)] * cfg.sandbox_servers
+             + [("rollout", cfg.rollout_cpus, cfg.rollout_gpus)] * cfg.rollout_servers
+             + [("trainer", cfg.trainer_cpus, cfg.trainer_gpus)] * cfg.trainer_processes)
+    bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v} or {"CPU": 0.01}
+               for _, c, g in roles]
+    self.pg = placement_group(bundles, strategy=cfg.placement)
+    ray.get(self.pg.ready(), timeout=cfg.startup_timeout_s)
+    server_actor = ray.remote(max_restarts=0)(ServerProcess)
+    trainer_actor = ray.remote(max_restarts=0)(TrainerProcess)
+    self.servers: dict[str, list] = {"sandbox": [], "rollout": []}
+    self.trainers = []
+    counts = {"sandbox": 0, "rollout": 0}
+    for b, (role, cpus, gpus) in enumerate(roles):
+      opts = dict(num_cpus=0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+          placement_group=self.pg, placement_group_bundle_index=b))
+      if role == "trainer":
+        self.trainers.append(trainer_actor.options(**opts).remote(len(self.trainers), cfg))
+      else:
+        self.servers[role].append(server_actor.options(**opts).remote(role, counts[role], cfg,
+                                                                      {}))
+        counts[role] += 1
+    self.info = {role: ray.get([a.info.remote() for a in actors])
+                 for role, actors in self.servers.items()}
+    self.launch_s = time.perf_counter() - t0
+
+  @property
+  def sandbox_urls(self) -> list[str]:
+    return [i["url"] for i in self.info["sandbox"]]
+
+  @property
+  def rollout_urls(self) -> list[str]:
+    return [i["url"] for i in self.info["rollout"]]
+
+  def server_info(self) -> dict[str, list[dict]]:
+    import ray
+    return {role: ray.get([a.info.remote() for a in actors])
+            for role, actors in self.servers.items()}
+
+  def trainer_overrides(self, coordinator: str = "") -> list[str]:
+    """The config overrides that point a trainer at the fleet."""
+    out = []
+    if self.sandbox_urls:
+      out.append(f"--config.tools.urls={_tuple_text(self.sandbox_urls)}")
+    if self.rollout_urls:
+      out += [f"--config.rollout.backend={self.cfg.rollout_backend}",
+              f"--config.rollout.servers={_tuple_text(self.rollout_urls)}"]
+    if coordinator:
+      out.append(f"--config.distributed.coordinator_address={coordinator}")
+    return out
+
+  def start_trainers(self, env: dict[str, str] | None = None) -> None:
+    import ray
+    n = len(self.trainers)
+    coordinator = ray.get(self.trainers[0].address.remote()) if n > 1 else ""
+    for i, actor in enumerate(self.trainers):
+      args = self.trainer_overrides(coordinator)
+      if n > 1:
+        args += [f"--config.distributed.num_processes={n}", f"--config.distributed.process_id={i}"]
+      ray.get(actor.start.remote(args, dict(env or {})))
+
+  def wait_trainers(self, timeout: float | None = None) -> list[int | None]:
+    import ray
+    return ray.get([a.wait.remote(timeout) for a in self.trainers])
+
+  def trainer_logs(self) -> list[str]:
+    import ray
+    return ray.get([a.log_tail.remote() for a in self.trainers])
+
+  def shutdown(self) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    for actors in (self.trainers, *self.servers.values()):
+      try:
+        ray.get([a.stop.remote() for a in actors], timeout=90)
+      except Exception:  # noqa: BLE001 - an actor already gone; killed below anyway
+        pass
+      for a in actors:
+        ray.kill(a)
+    remove_placement_group(self.pg)
