@@ -58,3 +58,11 @@ def test_one_process_helpers_are_identities():
   assert d.share_from_main(obj) is obj
   assert d.is_main() and not d.multi_process()
   d.barrier("nothing to wait for")
+
+
+def test_slurm_script_parses():
+  import os
+  import subprocess
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "slurm", "rstar2_14b.sbatch")
+  out = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr

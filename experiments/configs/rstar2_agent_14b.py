@@ -2,9 +2,13 @@ r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.p
 
 rStar2-Agent-14B: the report's recipe for Qwen3-14B-Base on 64 accelerators.
 
-Numbers are SPEC.md's (the report's) unless marked. Multi-host launch: start the
-same command on every host after `jax.distributed.initialize()` (not wired yet; see
-WORKSPACE.md), with sandbox servers listed in --config.tools.urls.
+Numbers are SPEC.md's (the report's) unless marked. Multi-host: the same command on
+every trainer host, one process each, joined by `config.distributed` (coordinator
+address, process count and id; or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID; under SLURM nothing), with rollouts on SGLang servers
+(`--config.rollout.backend=sglang --config.rollout.servers=...`) and sandbox servers in
+--config.tools.urls. `experiments/slurm/rstar2_14b.sbatch` and
+`python -m experiments.launch_cluster` start the whole fleet (WORKSPACE.md, "Cluster guide").
 """
 from rstar_jax import config_utils as cu
 from rstar_jax import recipe
