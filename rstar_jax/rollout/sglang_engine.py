@@ -48,6 +48,7 @@ a HF checkpoint on shared disk + `update_weights_from_disk` (see that function).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import concurrent.futures
 import dataclasses
 import json
@@ -392,8 +393,15 @@ class SGLangEngine:
     self.model_info: dict[str, Any] = {}
     self.weight_version: str | None = None
     self._inflight: dict[str, int] = {}     # rid -> reserved KV tokens
+    # Requests picked for this engine but not yet registered by the I/O thread: the pool
+    # picks a burst of requests synchronously, and without these every one of them
+    # would see the same free KV and go to the same engine.
+    self._pending: dict[int, int] = {}
+    self._pending_ids = itertools.count()
     self._by_request: dict[str, str] = {}   # request_id -> rid in flight
-    self._reported_free: int | None = None
+    # KV tokens the server's last /v1/loads counted beyond our own requests in flight
+    # (other clients'); our own come from local accounting, which is never stale.
+    self._others_used = 0
     self._lock = threading.Lock()
     self._probing = False
     self._stopped = False
@@ -410,20 +418,31 @@ class SGLangEngine:
   async def generate(self, request: GenerationRequest) -> ServedResult:
     if self._stopped:
       raise SGLangError(f"{self.name}: engine stopped")
-    return await asyncio.wrap_future(self.group.io.submit(self._generate(request)))
+    key = next(self._pending_ids)
+    with self._lock:
+      self._pending[key] = min(self.max_len or 1 << 30,
+                               len(request.input_ids) + request.max_new_tokens)
+
+    def registered():
+      with self._lock:
+        self._pending.pop(key, None)
+    try:
+      return await asyncio.wrap_future(self.group.io.submit(self._generate(request,
+                                                                           registered)))
+    finally:
+      registered()
 
   def free_kv_tokens(self) -> int:
     if not self.alive:
       self._maybe_probe()
       return _DEAD_FREE_KV
     with self._lock:
-      local = self.capacity - sum(self._inflight.values())
-      reported = self._reported_free
-    return local if reported is None else min(local, reported)
+      return (self.capacity - sum(self._inflight.values()) - sum(self._pending.values())
+              - self._others_used)
 
   def num_active(self) -> int:
     with self._lock:
-      return len(self._inflight)
+      return len(self._inflight) + len(self._pending)
 
   def update_weights(self, params, version: str | None = None) -> None:
     raise NotImplementedError(
@@ -494,7 +513,7 @@ class SGLangEngine:
     raise AssertionError("unreachable")
 
   # ---- Generation ------------------------------------------------------------------
-  async def _generate(self, request: GenerationRequest) -> ServedResult:
+  async def _generate(self, request: GenerationRequest, registered=None) -> ServedResult:
     request.validate(self.max_len)
     tried: list[SGLangEngine] = []
     engine: SGLangEngine | None = self
@@ -510,14 +529,15 @@ class SGLangEngine:
           self.metrics["failovers"] += 1
           logging.warning("sglang: request %s goes to %s", request.request_id, engine.url)
       try:
-        return await engine._generate_here(request)
+        return await engine._generate_here(request, registered)
       except _Unreachable as e:
         engine._mark_dead(str(e))
         reasons.append(f"{engine.url}: {e}")
         tried.append(engine)
         engine = None
 
-  async def _generate_here(self, request: GenerationRequest) -> ServedResult:
+  async def _generate_here(self, request: GenerationRequest, registered=None
+                           ) -> ServedResult:
     """Generation on this server; connection errors retried, then _Unreachable."""
     delay = self.config.backoff_s
     reserve = min(self.max_len, len(request.input_ids) + request.max_new_tokens)
@@ -531,6 +551,9 @@ class SGLangEngine:
         self._inflight[rid] = reserve
         if request.request_id is not None:
           self._by_request[request.request_id] = rid
+      if registered is not None:   # the picked engine's provisional reservation ends
+        registered()
+        registered = None
       self.metrics["requests"] += 1
       try:
         status, parsed, raw = await self._http("POST", "/generate", body,
@@ -701,13 +724,17 @@ class SGLangEngine:
         logging.warning("sglang: %s has no /v1/loads; free KV from local accounting", self.url)
         return
       try:
-        loads = body["loads"]
-        free = sum(int(l["max_total_num_tokens"]) - int(l["num_total_tokens"]) for l in loads)
+        used = sum(int(l["num_total_tokens"]) for l in body["loads"])
       except (KeyError, TypeError, ValueError):
         logging.warning("sglang: %s/v1/loads: unexpected reply %.200s", self.url, body)
         continue
+      # A free-token figure taken from the reply would go stale between polls and, used
+      # as a bound, steer every new request away from a server that has since drained
+      # (one server got 2/3 of the requests). The server counts only tokens already
+      # held, never more than we reserved for our own requests, so what it counts
+      # beyond our reservations is other clients' load.
       with self._lock:
-        self._reported_free = free
+        self._others_used = max(0, used - sum(self._inflight.values()))
 
   # ---- Admin -------------------------------------------------------------------
   def _run(self, coro, timeout: float | None = None):
