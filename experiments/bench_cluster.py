@@ -23,6 +23,7 @@ import time
 from absl import app, flags
 
 from experiments import results_json
+from sandbox.launcher import free_port
 
 flags.DEFINE_integer("repeats", 3, "interleaved repeats of each measurement")
 flags.DEFINE_integer("steps", 10, "timed train steps per gpu_smoke run")
@@ -37,18 +38,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYMPY = "from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))"
 
 
-def _free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _step_ms(processes: int) -> float:
   """Median step time of gpu_smoke as `processes` processes over 8 CPU devices."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
-  port = _free_port()
+  port = free_port()
   outs = [tempfile.mktemp(suffix=".json") for _ in range(processes)]
   base = [sys.executable, "-m", "experiments.gpu_smoke", *FLAGS.smoke_args.split(),
           "--mesh", FLAGS.mesh, "--steps", str(FLAGS.steps)]

@@ -54,6 +54,8 @@ flags.DEFINE_integer("max_response_tokens", 320, "(b) response budget (model + t
 flags.DEFINE_integer("calls_per_traj", 3, "(b) turns that end in a scripted tool call")
 flags.DEFINE_integer("think_tokens", 24, "(b) tokens sampled before each scripted call")
 flags.DEFINE_integer("sandbox_children", 8, "(b) sandbox server --max-children")
+flags.DEFINE_float("prefix_grace_s", 0.25, "(b) EngineConfig.prefix_grace_s (0: a freed slot "
+                   "goes to the next queued request at once)")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
@@ -247,11 +249,23 @@ class ToolCallingEngine:
   tokens (no stop ids) from the real engine, then appends a scripted call of the
   trajectory's code (tool-side log-prob 0). Later turns go to the engine unchanged."""
 
-  def __init__(self, engine, call_ids_by_uid, calls_per_traj: int, think_tokens: int):
+  def __init__(self, engine, call_ids_by_uid, calls_per_traj: int, think_tokens: int,
+               vocab_size: int):
     self.engine = engine
     self.call_ids = call_ids_by_uid
     self.calls_per_traj = calls_per_traj
     self.think_tokens = think_tokens
+    self.vocab_size = vocab_size
+    # Prefix reuse: tokens cached for a trajectory when its previous turn ended (what
+    # its next turn could reuse) against what the engine reused.
+    self.cached: dict[str, int] = {}
+    self.reusable = self.reused = 0
+
+  def _account(self, uid: str, turn: int, request, out) -> None:
+    if turn > 0:
+      self.reusable += self.cached.get(uid, 0)
+      self.reused += out.reused_prefix_tokens
+    self.cached[uid] = len(request.input_ids) + len(out.output_ids) - 1
 
   async def generate(self, request):
     from rstar_jax.rollout.jax_engine import GenerationResult
@@ -261,9 +275,14 @@ class ToolCallingEngine:
     call = self.call_ids[uid]
     think = min(self.think_tokens, request.max_new_tokens - len(call))
     if int(turn) >= self.calls_per_traj or think < 1:
-      return await self.engine.generate(request)
-    out = await self.engine.generate(
-        dataclasses.replace(request, max_new_tokens=think, stop_token_ids=()))
+      out = await self.engine.generate(request)
+      self._account(uid, int(turn), request, out)
+      return out
+    # Every thinking turn ends in a tool call: the engine may hold its slot for the next.
+    out = await self.engine.generate(dataclasses.replace(
+        request, max_new_tokens=think, stop_token_ids=(),
+        continue_ids=range(self.vocab_size)))
+    self._account(uid, int(turn), request, out)
     return GenerationResult(
         request_id=request.request_id, output_ids=out.output_ids + call,
         logprobs=out.logprobs + [0.0] * len(call), finish_reason="stop",
@@ -303,7 +322,8 @@ def bench_agent():
   proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
   cfg = model_config.get_preset(FLAGS.preset, vocab_size=tok.vocab_size)
   model = qwen3.create_model(cfg, seed=1)
-  ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len)
+  ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len,
+                      prefix_grace_s=FLAGS.prefix_grace_s)
   engine = JaxEngine(model, ecfg)
   acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)
 
@@ -331,7 +351,8 @@ def bench_agent():
 
   def rollout(url, n, seed):
     problems, calls = problems_for(n, seed)
-    wrapped = ToolCallingEngine(pool, calls, FLAGS.calls_per_traj, FLAGS.think_tokens)
+    wrapped = ToolCallingEngine(pool, calls, FLAGS.calls_per_traj, FLAGS.think_tokens,
+                                cfg.vocab_size)
     tools = TimedTools(SandboxTools(url, timeout_s=10.0))
 
     async def main():
@@ -342,13 +363,13 @@ def bench_agent():
         await tools.inner.aclose()
     t = time.perf_counter()
     trajs = asyncio.run(main())
-    return trajs, tools, time.perf_counter() - t
+    return trajs, tools, time.perf_counter() - t, wrapped
 
   try:
     with running_server(max_children=FLAGS.sandbox_children, pool_size=2) as url:
       rollout(url, 4, seed=1)          # warm-up: the sandbox pool, the HTTP client
       before = dict(engine.metrics)
-      trajs, tools, wall = rollout(url, FLAGS.trajectories, seed=2)
+      trajs, tools, wall, wrapped = rollout(url, FLAGS.trajectories, seed=2)
       after = dict(engine.metrics)
   finally:
     engine.stop()
@@ -388,6 +409,9 @@ def bench_agent():
       ("engine busy fraction", f"{d.get('busy_s', 0.0) / wall:.2f}"),
       ("prefill tokens (prefix-reused)", f"{d.get('prefill_tokens', 0)} "
                                          f"({d.get('reused_prefix_tokens', 0)})"),
+      ("prefix reused / reusable", f"{wrapped.reused} / {wrapped.reusable} tokens of later turns "
+                                   f"({100 * wrapped.reused / max(wrapped.reusable, 1):.0f}%); "
+                                   f"prefix_grace_s {ecfg.prefix_grace_s}"),
       ("mean queue wait per request", f"{1e3 * pool.stats()['jax0/mean_queue_wait_s']:.1f} ms "
                                       "(warm-up included)"),
   ]
@@ -399,7 +423,9 @@ def bench_agent():
           "response_tokens_mean": float(resp.mean()), "model_tokens": model_tok,
           "engine_tokens_per_s": d.get("generated_tokens", 0) / wall,
           "slot_utilisation": util, "engine_busy_fraction": d.get("busy_s", 0.0) / wall,
-          "compile_s": compile_s, "slots": ecfg.num_slots, "max_len": ecfg.max_len}
+          "compile_s": compile_s, "slots": ecfg.num_slots, "max_len": ecfg.max_len,
+          "prefix_reused": wrapped.reused, "prefix_reusable": wrapped.reusable,
+          "prefill_tokens": d.get("prefill_tokens", 0), "prefix_grace_s": ecfg.prefix_grace_s}
 
 
 def main(_):

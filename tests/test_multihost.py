@@ -5,20 +5,15 @@ Each job is real processes running tests/multihost_worker.py: the sharded GRPO s
 restored by the other, and the streamed HF export.
 """
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from sandbox.launcher import free_port
+
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
@@ -29,7 +24,7 @@ def _env(devices: int) -> dict:
 
 
 def _job(out, processes: int, restore: str = "", timeout: float = 300):
-  port = _free_port()
+  port = free_port()
   args = ["--out", str(out)] + (["--restore", restore] if restore else [])
   if processes > 1:
     args += ["--num_processes", str(processes), "--port", str(port)]
@@ -88,7 +83,7 @@ def test_export_from_two_processes_equals_the_single_process_export(jobs):
 
 
 def test_gpu_smoke_entry_point_runs_as_two_processes():
-  port = _free_port()
+  port = free_port()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   procs = [subprocess.Popen(
       [sys.executable, "-m", "experiments.gpu_smoke", "--tiny", "--steps", "2",

@@ -106,7 +106,7 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
         input_ids=traj.prompt_ids + traj.response_ids, max_new_tokens=budget,
         stop_token_ids=proto.stop_ids, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, seed=_turn_seed(seed, traj.num_turns),
-        request_id=f"{uid}/turn{traj.num_turns}")
+        request_id=f"{uid}/turn{traj.num_turns}", continue_ids=proto.continue_ids)
     t0 = time.perf_counter()
     out = await engine.generate(req)
     traj.generate_s += time.perf_counter() - t0

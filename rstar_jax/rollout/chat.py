@@ -519,6 +519,11 @@ class ChatProtocol:
     self.end_ids = tuple(dict.fromkeys([self.token_ids.im_end, *eos]))
     stops = ([self.token_ids.tool_call_end] if self.config.stop_at_tool_call else [])
     self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops + list(self.end_ids)))
+    # A turn that stops here continues with tool output (when turns stop at the call's
+    # end; otherwise at the turn's end, which also ends final answers).
+    self.continue_ids: tuple[int, ...] = (
+        (self.token_ids.tool_call_end,) if self.config.stop_at_tool_call
+        else (self.token_ids.im_end,))
     self._system_ids = tokenizer.encode(system_text(self.config))
     self._assistant_header = tokenizer.encode(f"{IM_START}assistant\n")
 

@@ -20,6 +20,10 @@ class GenerationRequest:
   top_k: int = 0
   seed: int = 0
   request_id: str | None = None
+  # Tokens after which the caller continues this sequence when the output ends with
+  # one (a tool call's end): an in-process engine keeps the slot's cached prefix for
+  # the next turn a short while (EngineConfig.prefix_grace_s). Not sent to HTTP servers.
+  continue_ids: Sequence[int] = ()
 
   def validate(self, max_len: int) -> None:
     if len(self.input_ids) == 0:

@@ -48,6 +48,11 @@ class EngineConfig:
   # (>= min_prefill_bucket, capped at max_len) above every active position: a step
   # reads the filled part of the slots, not all max_len of each (one compile per B).
   decode_buckets: bool = True
+  # A slot whose request ended with one of its `continue_ids` (a tool call) keeps its
+  # prefix this long for the trajectory's next turn: queued requests that do not
+  # extend it take other free slots, or wait, instead of evicting it while the tool
+  # runs. 0 turns it off.
+  prefix_grace_s: float = 0.25
 
   def length_bucket(self, n: int) -> int:
     """The power of two >= n (at least min_prefill_bucket, at most max_len): the padded
@@ -55,6 +60,8 @@ class EngineConfig:
     return min(max(self.min_prefill_bucket, 1 << (n - 1).bit_length()), self.max_len)
 
   def __post_init__(self):
+    if self.prefix_grace_s < 0:
+      raise ValueError(f"EngineConfig.prefix_grace_s must be >= 0, got {self.prefix_grace_s}")
     if self.num_slots <= 0 or self.max_len <= 1 or self.min_prefill_bucket <= 0:
       raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
                        f"positive (got {self.num_slots}, {self.max_len}, "
@@ -72,6 +79,7 @@ class _Slot:
   reused: int = 0
   wait_s: float = 0.0
   released_at: float = 0.0
+  held_until: float = 0.0      # kept for its own trajectory's next turn until then
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -132,7 +140,7 @@ class JaxEngine:
       # Cached k/v were computed with the old weights: never reuse them.
       for s in self.slots:
         if s.request is None:
-          s.cached = []
+          s.cached, s.held_until = [], 0.0
 
   def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
     request.validate(self.config.max_len)
@@ -152,6 +160,11 @@ class JaxEngine:
     futs = [self.submit(r) for r in requests]
     while not all(f.done() for f in futs):
       self.step()
+      if not self.num_active():
+        with self._lock:
+          wait = self._held_wait()
+        if wait:
+          time.sleep(wait)
     return [f.result() for f in futs]
 
   def start(self) -> None:
@@ -192,8 +205,10 @@ class JaxEngine:
   def _loop(self):
     while True:
       with self._lock:
-        while not self._stop and not self.queue and self.num_active() == 0:
-          self._lock.wait()
+        while not self._stop and self.num_active() == 0 and (
+            not self.queue or self._held_wait() is not None):
+          # Nothing to run: no request, or the queued ones wait for held slots.
+          self._lock.wait(self._held_wait())
         if self._stop:
           return
       try:
@@ -216,6 +231,15 @@ class JaxEngine:
       self._decode_step()
     self.metrics["busy_s"] += time.perf_counter() - t0
 
+  def _held_wait(self) -> float | None:
+    """Seconds until the first held slot frees up, when every queued request can only
+    wait for one (None: one can be admitted now, or nothing is held)."""
+    if not self.queue or self._next_admissible() is not None:
+      return None
+    now = time.perf_counter()
+    held = [s.held_until - now for s in self.slots if s.request is None and s.held_until > now]
+    return max(min(held), 1e-3) if held else None
+
   def _pick_slot(self, ids: Sequence[int]) -> tuple[int, int] | None:
     free = [i for i, s in enumerate(self.slots) if s.request is None]
     if not free:
@@ -227,19 +251,46 @@ class JaxEngine:
         if c and len(c) < len(ids) and list(ids[:len(c)]) == c and len(c) > best_len:
           best, best_len = i, len(c)
     if best is None:  # least recently released, so recent slots keep their prefix longer
-      best = min(free, key=lambda i: self.slots[i].released_at)
+      now = time.perf_counter()
+      open_ = [i for i in free if self.slots[i].held_until <= now]
+      if not open_:
+        return None   # every free slot waits for its trajectory's next turn
+      best = min(open_, key=lambda i: self.slots[i].released_at)
       best_len = 0
     return best, best_len
+
+  def _next_admissible(self) -> tuple[int, tuple[int, int]] | None:
+    """(queue index, slot pick) of the first queued request that can start now: the
+    head, unless only held slots are free; then the first that continues one of them."""
+    pick = self._pick_slot(self.queue[0][0].input_ids)
+    if pick is not None:
+      return 0, pick
+    now = time.perf_counter()
+    held = [s.cached for s in self.slots
+            if s.request is None and s.held_until > now and s.cached]
+    if not held:
+      return None
+    for k, (req, _, _) in enumerate(self.queue):
+      ids = req.input_ids
+      # Cheap checks first: the queue can be long and prefixes hundreds of tokens.
+      if any(len(c) < len(ids) and ids[len(c) - 1] == c[-1] and ids[0] == c[0]
+             for c in held):
+        pick = self._pick_slot(ids)
+        if pick is not None:
+          return k, pick
+    return None
 
   def _admit(self) -> None:
     while True:
       with self._lock:
         if not self.queue:
           return
-        pick = self._pick_slot(self.queue[0][0].input_ids)
-        if pick is None:
+        found = self._next_admissible()
+        if found is None:
           return
-        req, fut, t_sub = self.queue.popleft()
+        k, pick = found
+        req, fut, t_sub = self.queue[k]
+        del self.queue[k]
       slot_idx, reuse = pick
       self._prefill_into(slot_idx, req, fut, reuse, time.perf_counter() - t_sub)
 
@@ -257,7 +308,7 @@ class JaxEngine:
         jnp.asarray(pos), jnp.int32(len(new) - 1), jnp.int32(req.seed),
         jnp.float32(req.temperature), jnp.float32(req.top_p), jnp.int32(req.top_k))
     s = self.slots[i]
-    s.request, s.future, s.cached = req, fut, ids
+    s.request, s.future, s.cached, s.held_until = req, fut, ids, 0.0
     s.out_ids, s.out_logps, s.reused, s.wait_s = [], [], reuse, wait_s
     self.metrics["prefill_tokens"] += len(new)
     self.metrics["reused_prefix_tokens"] += reuse
@@ -286,6 +337,10 @@ class JaxEngine:
     with self._lock:
       s.request, s.future = None, None
       s.released_at = time.perf_counter()
+      if (tok in req.continue_ids and self.config.reuse_prefix
+          and self.config.prefix_grace_s > 0):
+        s.held_until = s.released_at + self.config.prefix_grace_s
+        self.metrics["held_slots"] += 1
     fut.set_result(result)
 
   def _decode_step(self) -> None:

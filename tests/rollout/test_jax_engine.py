@@ -91,6 +91,46 @@ def test_resumed_request_reuses_its_prefix(model):
   np.testing.assert_allclose(ref.logprobs, out2.logprobs, atol=1e-5)
 
 
+def _two_turn_trajectories(engine, n: int, tool_s: float = 0.02):
+  """n trajectories of two turns through `engine` (its own thread): turn 1 stops at
+  its first token, which is a continue id; the "tool" takes tool_s; turn 2 extends it."""
+  everything = tuple(range(CFG.vocab_size))
+
+  async def one(k):
+    prompt = [1 + k, 2, 3, 4, 5, 6]
+    a = await engine.generate(GenerationRequest(
+        input_ids=prompt, max_new_tokens=4, stop_token_ids=everything, continue_ids=everything,
+        seed=k, request_id=f"t{k}/turn0"))
+    await asyncio.sleep(tool_s)
+    b = await engine.generate(GenerationRequest(
+        input_ids=prompt + a.output_ids + [9, 9, 8], max_new_tokens=6, seed=100 + k,
+        request_id=f"t{k}/turn1"))
+    return a, b
+
+  async def main():
+    return await asyncio.gather(*(one(k) for k in range(n)))
+  try:
+    return asyncio.run(main())
+  finally:
+    engine.stop()
+
+
+def test_a_held_slot_keeps_its_prefix_for_the_next_turn(model):
+  """Trajectories outnumber slots: without a grace period a queued first turn takes the
+  slot a trajectory left for its tool call, and the next turn recomputes its prefix;
+  with it, every second turn reuses its prefix. Outputs are the same either way."""
+  held = _two_turn_trajectories(
+      JaxEngine(model, EngineConfig(num_slots=2, max_len=64, prefix_grace_s=5.0)), 4)
+  plain = _two_turn_trajectories(
+      JaxEngine(model, EngineConfig(num_slots=2, max_len=64, prefix_grace_s=0.0)), 4)
+  for (a1, b1), (a2, b2) in zip(held, plain):
+    assert (a1.output_ids, b1.output_ids) == (a2.output_ids, b2.output_ids)
+    np.testing.assert_allclose(b1.logprobs, b2.logprobs, atol=1e-5)
+    assert a1.finish_reason == "stop" and len(a1.output_ids) == 1
+  assert [b.reused_prefix_tokens for _, b in held] == [6] * 4   # prompt + the call token, less one
+  assert sum(b.reused_prefix_tokens == 0 for _, b in plain) >= 2
+
+
 def test_async_generate_and_cache_limit(model):
   engine = JaxEngine(model, EngineConfig(num_slots=2, max_len=24))
 
