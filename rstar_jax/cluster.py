@@ -252,7 +252,6 @@ class Cluster:
   def __init__(self, cfg: ClusterConfig):
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     self.cfg = cfg
     t0 = time.perf_counter()
     if not ray.is_initialized():
@@ -270,11 +269,22 @@ class Cluster:
     bundles = [{k: v for k, v in (("CPU", c), ("GPU", g)) if v} or {"CPU": 0.01}
                for _, c, g in roles]
     self.pg = placement_group(bundles, strategy=cfg.placement)
+    self.servers: dict[str, list] = {"sandbox": [], "rollout": []}
+    self.trainers = []
+    try:
+      self._launch(roles)
+    except BaseException:
+      self.shutdown()   # no half-started fleet left holding a cluster's resources
+      raise
+    self.launch_s = time.perf_counter() - t0
+
+  def _launch(self, roles) -> None:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    cfg = self.cfg
     ray.get(self.pg.ready(), timeout=cfg.startup_timeout_s)
     server_actor = ray.remote(max_restarts=0)(ServerProcess)
     trainer_actor = ray.remote(max_restarts=0)(TrainerProcess)
-    self.servers: dict[str, list] = {"sandbox": [], "rollout": []}
-    self.trainers = []
     counts = {"sandbox": 0, "rollout": 0}
     for b, (role, cpus, gpus) in enumerate(roles):
       opts = dict(num_cpus=0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -287,7 +297,6 @@ class Cluster:
         counts[role] += 1
     self.info = {role: ray.get([a.info.remote() for a in actors])
                  for role, actors in self.servers.items()}
-    self.launch_s = time.perf_counter() - t0
 
   @property
   def sandbox_urls(self) -> list[str]:
