@@ -116,6 +116,12 @@ def initialize(cfg: DistributedConfig | None = None) -> bool:
     # Only the CPU client reads it; without it CPU processes cannot reduce across each other.
     jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
   jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout_s, **args)
+  # The first collective over a group of devices sets up its CPU (gloo) context, which
+  # waits at most 30 s for every process: do it now, while the processes are in step,
+  # not at the first barrier after process 0 spent longer than that on its own work
+  # (starting a sandbox server on a loaded machine did). Later collectives over the
+  # same devices wait as long as it takes.
+  barrier("rstar_jax.distributed.initialize")
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)   # one process speaks for the job
   logging.info("distributed: process %d of %d, %d local / %d global devices",

@@ -100,3 +100,32 @@ def test_gpu_smoke_entry_point_runs_as_two_processes():
     assert p.returncode == 0, log[-3000:]
     assert "2 process(es), 8 device(s)" in log, log[-3000:]
   assert "MFU" in logs[0]
+
+
+_STALL = """
+import sys, time
+from rstar_jax import distributed as d
+pid = int(sys.argv[1])
+d.initialize(d.DistributedConfig(coordinator_address=sys.argv[2], num_processes=2, process_id=pid))
+if pid == 0:
+  time.sleep(35)   # process 0 busy on its own (gloo's context set-up waits 30 s at most)
+d.barrier("after the stall")
+print("through the barrier")
+"""
+
+
+def test_a_process_busy_past_gloos_30_s_does_not_break_the_next_collective():
+  """CI failed once: process 1 reached its first collective while process 0 was still
+  starting a sandbox server, and gloo's first-use set-up timed out after 30 s."""
+  addr = f"127.0.0.1:{free_port()}"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  procs = [subprocess.Popen([sys.executable, "-c", _STALL, str(i), addr], cwd=root,
+                            env=dict(_env(1), PYTHONPATH=root), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=200)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0 and "through the barrier" in log, log[-2000:]
