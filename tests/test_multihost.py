@@ -23,6 +23,20 @@ def _env(devices: int) -> dict:
   return env
 
 
+def _wait_all(procs, timeout: float) -> list[str]:
+  """Every process's output once all have exited; fails naming the first that failed."""
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} of {len(procs)} failed:\n{log[-4000:]}"
+  return logs
+
+
 def _job(out, processes: int, restore: str = "", timeout: float = 300):
   port = free_port()
   args = ["--out", str(out)] + (["--restore", restore] if restore else [])
@@ -32,15 +46,7 @@ def _job(out, processes: int, restore: str = "", timeout: float = 300):
                             env=_env(8 // processes), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
            for i in range(processes)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} of {processes} failed:\n{log[-4000:]}"
+  _wait_all(procs, timeout)
   return np.load(os.path.join(out, "result.npz"))
 
 
@@ -91,13 +97,8 @@ def test_gpu_smoke_entry_point_runs_as_two_processes():
        "--num_processes", "2", "--process_id", str(i)],
       cwd=root, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
-  try:
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  logs = _wait_all(procs, 300)
+  for log in logs:
     assert "2 process(es), 8 device(s)" in log, log[-3000:]
   assert "MFU" in logs[0]
 
@@ -122,10 +123,5 @@ def test_a_process_busy_past_gloos_30_s_does_not_break_the_next_collective():
   procs = [subprocess.Popen([sys.executable, "-c", _STALL, str(i), addr], cwd=root,
                             env=dict(_env(1), PYTHONPATH=root), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  try:
-    logs = [p.communicate(timeout=200)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0 and "through the barrier" in log, log[-2000:]
+  for log in _wait_all(procs, 200):
+    assert "through the barrier" in log, log[-2000:]
