@@ -157,9 +157,10 @@ class ServerProcess:
       if _healthy(self.url):
         return
       time.sleep(0.2)
+    code = self.proc.poll()
+    why = f"exited {code}" if code is not None else "timed out"
     raise RuntimeError(f"{self.role} server {self.index} at {self.url} did not become "
-                       f"healthy ({'exited ' + str(self.proc.returncode) if self.proc.poll() is not None else 'timed out'}); "
-                       f"log tail:\n{self.log_tail()}")
+                       f"healthy ({why}); log tail:\n{self.log_tail()}")
 
   def _supervise(self) -> None:
     while not self._stop.wait(0.5):

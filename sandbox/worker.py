@@ -87,6 +87,11 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     raise OSError(err, f"mount {fstype or ''} on {target} failed: {os.strerror(err)}")
 
 
+# The interpreter's directories under /tmp (a virtualenv there): fixed for the process,
+# so found once here in the warm parent rather than in every call's child.
+_INTERPRETER_DIRS_UNDER_TMP = isolation.interpreter_dirs_under()
+
+
 def private_tmp(owner: int, tmp_mb: int, shm_mb: int) -> None:
   """Gives this process (and what it forks) its own empty /tmp and /dev/shm.
 
@@ -99,7 +104,7 @@ def private_tmp(owner: int, tmp_mb: int, shm_mb: int) -> None:
   _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing propagates back out
   # The interpreter's directories under /tmp (a virtualenv there) are held open and
   # bound back read-only over the new /tmp: later imports still find their files.
-  keep = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in isolation.interpreter_dirs_under()]
+  keep = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in _INTERPRETER_DIRS_UNDER_TMP]
   try:
     for target, mb in (("/tmp", tmp_mb), ("/dev/shm", shm_mb)):
       _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,

@@ -179,20 +179,6 @@ def _read_block(sl, kind: str, ours_shape: tuple[int, ...], idx: tuple[slice, ..
   raise AssertionError(kind)
 
 
-def _to_hf(kind: str, ours: np.ndarray) -> np.ndarray:
-  if kind == "id":
-    return ours
-  if kind == "T":
-    return np.ascontiguousarray(ours.T)
-  if kind == "T_split_out":
-    h, n, d = ours.shape
-    return np.ascontiguousarray(ours.reshape(h, n * d).T)
-  if kind == "T_split_in":
-    n, d, h = ours.shape
-    return np.ascontiguousarray(ours.reshape(n * d, h).T)
-  raise AssertionError(kind)
-
-
 def _state_key(path) -> str:
   return ".".join(str(getattr(p, "key", p)) for p in path)
 

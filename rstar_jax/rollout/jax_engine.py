@@ -206,9 +206,9 @@ class JaxEngine:
     while True:
       with self._lock:
         while not self._stop and self.num_active() == 0 and (
-            not self.queue or self._held_wait() is not None):
+            not self.queue or (held := self._held_wait()) is not None):
           # Nothing to run: no request, or the queued ones wait for held slots.
-          self._lock.wait(self._held_wait())
+          self._lock.wait(held if self.queue else None)
         if self._stop:
           return
       try:

@@ -48,9 +48,9 @@ a HF checkpoint on shared disk + `update_weights_from_disk` (see that function).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import math
 import os

@@ -8,7 +8,8 @@ engines). Each version is written under a temporary name and renamed when comple
 so a server never reads half a checkpoint; `hf_io.save_hf` streams the parameters one
 tensor (one layer's slice) at a time, so the whole model is never gathered on one
 host. In a multi-process job every process calls `publish` (the export gathers each
-tensor by a collective); process 0 writes and updates the servers. Old versions are removed, the served one and `keep - 1` before it kept.
+tensor by a collective); process 0 writes and updates the servers. Old versions are
+removed, the served one and `keep - 1` before it kept.
 """
 from __future__ import annotations
 

@@ -139,7 +139,8 @@ class SFTTrainer:
     from tqdm import tqdm
     history = []
     with tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
-              disable=not progress or not distributed.is_main()) as bar, interrupt.StopRequests() as stop:
+              disable=not progress or not distributed.is_main()) as bar, \
+        interrupt.StopRequests() as stop:
       while self.step < self.total_steps:
         idx = self._batch_indices(self.step)
         batch = {k: v[idx] for k, v in self.rows.items()}
