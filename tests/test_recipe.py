@@ -204,8 +204,9 @@ def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, 
         p.kill()
   finally:
     server.kill()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
+  if any(p.returncode for p in procs):   # both tails: one process's failure shows in the other
+    raise AssertionError("\n".join(f"process {i} exited {p.returncode}:\n{log[-4000:]}"
+                                   for i, (p, log) in enumerate(zip(procs, logs))))
   assert "process 0 of 2, 1 local / 2 global devices" in logs[0]
   assert "RL:" in logs[0] and "RL:" not in logs[1]     # one progress bar, process 0's
   rows = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
