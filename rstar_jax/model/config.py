@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
-ATTENTION_IMPLS = ("xla", "chunked", "dot_product")
+ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,8 @@ class Qwen3Config:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of matmuls; norms and softmax stay fp32.
   remat_policy: str = "none"
-  attention_impl: str = "xla"
-  attention_chunk: int = 1024  # query-chunk length for attention_impl="chunked".
+  attention_impl: str = "blockwise"
+  attention_chunk: int = 1024  # query-block length for attention_impl="chunked" / "blockwise".
   scan_layers: bool = True
 
   def __post_init__(self):
