@@ -1,6 +1,12 @@
 r"""python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
 
 Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
+The larger size of issue 19: `--layers 8 --hidden 1024 --seq 1024 --batch 2
+--attention_chunk 128 --repeats 3`.
+
+The "jax" row runs `--attention_impl` (default "blockwise": causal query blocks of
+`--attention_chunk`); `--also_impls` adds rows for other attention paths of the same
+model in the same interleaved run (default "xla": the full [T, T] einsum path).
 
 Everything goes to --out as JSON too (read by notebooks/03_sandbox_and_engine_perf.ipynb).
 
@@ -10,6 +16,7 @@ model is loaded from the directory our model was exported to). Runs alternate
 between the two (A, B, A, B, ...) so machine noise hits both equally; the table
 reports medians and the ratio. Not a test: nothing here is asserted.
 """
+import functools
 import os
 import statistics
 import tempfile
@@ -29,6 +36,10 @@ flags.DEFINE_integer("vocab", 8192, "vocabulary size")
 flags.DEFINE_integer("seq", 256, "sequence length")
 flags.DEFINE_integer("batch", 8, "batch size")
 flags.DEFINE_integer("repeats", 5, "timed repeats per side (after one warm-up)")
+flags.DEFINE_string("attention_impl", "blockwise", "Qwen3Config.attention_impl of the jax row")
+flags.DEFINE_integer("attention_chunk", 64, "Qwen3Config.attention_chunk (query-block length)")
+flags.DEFINE_string("remat_policy", "none", "Qwen3Config.remat_policy")
+flags.DEFINE_list("also_impls", ["xla"], "extra jax rows, one per attention_impl")
 flags.DEFINE_integer("threads", 0, "torch intra-op threads (0 = all cores)")
 flags.DEFINE_integer("peak_n", 1024, "matmul size of the machine's measured dense peak")
 flags.DEFINE_string("out", "/tmp/bench_model.json", "where the figures go as JSON")
@@ -61,18 +72,24 @@ def main(_):
 
   rng = np.random.RandomState(0)
   tokens = rng.randint(0, cfg.vocab_size, size=(FLAGS.batch, FLAGS.seq))
-  graphdef, state = nnx.split(model)
-
-  def loss_fn(state, tok):
-    m = nnx.merge(graphdef, state)
-    h, _ = m(tok)
-    return -m.token_logprobs(h[:, :-1], tok[:, 1:], chunk=FLAGS.seq).mean()
-
-  step = jax.jit(jax.value_and_grad(loss_fn))
+  _, state = nnx.split(model)
   jtok = jnp.asarray(tokens)
   ttok = torch.tensor(tokens)
 
-  def run_jax():
+  def jax_step(impl):
+    run_cfg = cfg.replace(attention_impl=impl, attention_chunk=FLAGS.attention_chunk,
+                          remat_policy=FLAGS.remat_policy)
+    graphdef, _ = nnx.split(qwen3.abstract_model(run_cfg))
+
+    def loss_fn(state, tok):
+      m = nnx.merge(graphdef, state)
+      h, _ = m(tok)
+      return -m.token_logprobs(h[:, :-1], tok[:, 1:], chunk=FLAGS.seq).mean()
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+  step = jax_step(FLAGS.attention_impl)
+
+  def run_jax(step=step):
     loss, grads = step(state, jtok)
     jax.block_until_ready(grads)
     return float(loss)
@@ -83,16 +100,22 @@ def main(_):
     out.loss.backward()
     return float(out.loss)
 
+  sides = {"jax": run_jax}
+  for impl in FLAGS.also_impls:
+    if impl and impl != FLAGS.attention_impl:
+      sides[f"jax_{impl}"] = functools.partial(run_jax, step=jax_step(impl))
+  sides["torch"] = run_torch
   t0 = time.perf_counter()
   lj = run_jax()
   compile_s = time.perf_counter() - t0
-  lt = run_torch()
+  losses = {name: fn() for name, fn in sides.items()}
+  lt = losses["torch"]
   # Wall time, and CPU time of this process (all threads): the machines are shared,
   # and CPU seconds measure the work done even while other jobs take cores away.
-  times = {"jax": [], "torch": []}
-  cpu = {"jax": [], "torch": []}
+  times = {name: [] for name in sides}
+  cpu = {name: [] for name in sides}
   for _ in range(FLAGS.repeats):
-    for name, fn in (("jax", run_jax), ("torch", run_torch)):
+    for name, fn in sides.items():
       t, c = time.perf_counter(), time.process_time()
       fn()
       times[name].append(time.perf_counter() - t)
@@ -105,18 +128,21 @@ def main(_):
   med = {k: statistics.median(v) for k, v in times.items()}
   roof = {"peak_gflops": peak, "peak_matmul_n": FLAGS.peak_n, "model_flops": flops,
           "xla_flops_scan_body_once": cost["flops"],
-          "jax": roofline.row("jax", flops, med["jax"], peak),
-          "torch": roofline.row("torch", flops, med["torch"], peak)}
+          **{name: roofline.row(name, flops, med[name], peak) for name in sides}}
   cmed = {k: statistics.median(v) for k, v in cpu.items()}
   print(f"\nQwen3 fwd+bwd, {FLAGS.layers} layers, hidden {FLAGS.hidden}, heads "
         f"{FLAGS.heads}/{FLAGS.kv_heads}, vocab {FLAGS.vocab}, batch {FLAGS.batch} x seq "
         f"{FLAGS.seq}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
-  print(f"losses agree: jax {lj:.5f} vs torch {lt:.5f}; jax compile+first step {compile_s:.1f}s")
-  print(f"{'impl':<22}{'median s/step':>14}{'min s/step':>12}{'tokens/s':>12}"
-        f"{'CPU s/step':>12}{'tokens/CPU-s':>14}")
-  for name, label in (("jax", "rstar_jax (jax.jit)"), ("torch", "transformers (torch)")):
-    print(f"{label:<22}{med[name]:>14.4f}{min(times[name]):>12.4f}{ntok / med[name]:>12.0f}"
-          f"{cmed[name]:>12.3f}{ntok / cmed[name]:>14.0f}")
+  print("losses agree: " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items())
+        + f"; jax compile+first step {compile_s:.1f}s")
+  print(f"{'impl':<30}{'median s/step':>14}{'min s/step':>12}{'tokens/s':>12}"
+        f"{'CPU s/step':>12}{'tokens/CPU-s':>14}{'% of peak':>10}")
+  labels = {"jax": f"rstar_jax ({FLAGS.attention_impl})", "torch": "transformers (torch)"}
+  for name in sides:
+    label = labels.get(name, f"rstar_jax ({name[4:]})")
+    print(f"{label:<30}{med[name]:>14.4f}{min(times[name]):>12.4f}{ntok / med[name]:>12.0f}"
+          f"{cmed[name]:>12.3f}{ntok / cmed[name]:>14.0f}"
+          f"{100 * roof[name]['fraction_of_peak']:>9.0f}%")
   print(f"ratio jax/torch tokens/s (wall, median): {med['torch'] / med['jax']:.2f}x; "
         f"(wall, best): {min(times['torch']) / min(times['jax']):.2f}x; "
         f"(CPU time): {cmed['torch'] / cmed['jax']:.2f}x")
@@ -126,10 +152,11 @@ def main(_):
         f"GFLOP/s = {100 * roof['jax']['fraction_of_peak']:.0f}% of peak; torch "
         f"{roof['torch']['gflops']:.1f} GFLOP/s = {100 * roof['torch']['fraction_of_peak']:.0f}%")
   result = {"benchmark": "bench_model", "flags": {k: getattr(FLAGS, k) for k in (
-                "layers", "hidden", "heads", "kv_heads", "vocab", "seq", "batch", "repeats")},
+                "layers", "hidden", "heads", "kv_heads", "vocab", "seq", "batch", "repeats",
+                "attention_impl", "attention_chunk", "remat_policy", "also_impls")},
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg(), "tokens_per_step": ntok,
-            "loss": {"jax": lj, "torch": lt}, "jax_compile_s": compile_s,
+            "loss": losses, "jax_compile_s": compile_s,
             "wall_s": times, "cpu_s": cpu, "roofline": roof,
             "tokens_per_s": {k: ntok / med[k] for k in med},
             "ratio_jax_over_torch": {"wall_median": med["torch"] / med["jax"],
