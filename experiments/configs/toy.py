@@ -34,7 +34,7 @@ def get_config(variant: str = ""):
               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
               param_dtype="float32", dtype="float32", remat_policy="none",
-              attention_impl="xla")
+              attention_impl="blockwise", attention_chunk=32)
   # number_chunk: digits per number token (1 = Qwen's one-digit split).
   c.tokenizer = s(recipe.sources.TokenizerConfig, kind="toy", vocab_size=2048, number_chunk=3)
   # The release's protocol with short texts (58 system tokens instead of 597) and no
@@ -46,11 +46,11 @@ def get_config(variant: str = ""):
   c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
                 engine=dict(num_slots=64, max_len=384))
 
-  # ~1800 steps of 14 x 288 packed tokens (~7 min on 2 cores). 10,000 distinct traces
+  # ~2300 steps of 14 x 288 packed tokens (~7 min on 2 cores). 10,000 distinct traces
   # (not 4,000 seen more often): every number chunk is a rare token, and copying must
   # generalise to chunks it has hardly seen. seq_len 288 holds the longest (bug-fixed)
   # trace at levels 1-2 with ~40% less attention work per token than 512.
-  c.sft = s(recipe.SFTStage, enabled=True, epochs=3.9, seq_len=288, rows_per_step=14,
+  c.sft = s(recipe.SFTStage, enabled=True, epochs=5.0, seq_len=288, rows_per_step=14,
             heldout_share=0.05, eval_every=200, checkpoint_every=300,
             data=dict(num_traces=10000, traces=dict(bug_share=0.2, no_tool_share=0.3)),
             optimizer=dict(learning_rate=6e-3, warmup_steps=10, schedule="warmup_cosine",
@@ -70,7 +70,7 @@ def get_config(variant: str = ""):
                           grad_clip_norm=1.0),
            step=dict(micro_batches=1, logprob_chunk=512))
   agent = dict(max_turns=4, max_response_tokens=192, temperature=1.0, top_p=1.0)
-  c.stage1 = s(recipe.RLStage, num_steps=30, agent=agent, hard_k=4)
+  c.stage1 = s(recipe.RLStage, num_steps=40, agent=agent, hard_k=4)
   c.stage2 = s(recipe.RLStage, num_steps=8, agent=dict(agent, max_response_tokens=256),
                hard_k=4)
   # Stage 3: only problems the policy does not solve 4/4 (of the first 128), fresh Adam.
