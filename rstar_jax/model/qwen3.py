@@ -336,8 +336,10 @@ def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, 
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
   n = hidden.shape[1] // chunk
   # logits / temperature == (hidden / temperature) @ unembed: the division stays outside
-  # the hand-written backward, and autodiff carries it.
-  hc = (hidden / temperature).reshape(b, n, chunk, h).swapaxes(0, 1)
+  # the hand-written backward, and autodiff carries it (skipped at 1.0: no bf16 rounding).
+  if not (isinstance(temperature, (int, float)) and temperature == 1.0):
+    hidden = hidden / temperature
+  hc = hidden.reshape(b, n, chunk, h).swapaxes(0, 1)
   tc = targets.reshape(b, n, chunk).swapaxes(0, 1)
   lp, ent = jax.lax.map(lambda a: _chunk_logprobs(a[0], unembed, a[1]), (hc, tc))
   lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
