@@ -341,7 +341,8 @@ def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, 
     hidden = hidden / temperature
   hc = hidden.reshape(b, n, chunk, h).swapaxes(0, 1)
   tc = targets.reshape(b, n, chunk).swapaxes(0, 1)
-  lp, ent = jax.lax.map(lambda a: _chunk_logprobs(a[0], unembed, a[1]), (hc, tc))
+  lp, ent = jax.lax.map(lambda a: _chunk_logprobs(a[0], unembed, a[1], return_entropy),
+                        (hc, tc))
   lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
   if not return_entropy:
     return lp
@@ -353,38 +354,44 @@ def _chunk_logits(hx, unembed):
   return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
 
-@jax.custom_vjp
-def _chunk_logprobs(hx, unembed, tx):
-  """(log p(tx), entropy) of one chunk; the backward recomputes the logits.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunk_logprobs(hx, unembed, tx, with_entropy):
+  """(log p(tx), entropy or zeros) of one chunk; the backward recomputes the logits.
 
   Written by hand rather than as jax.checkpoint around autodiff: the generic
   backward scatters into [B, chunk, V] for the picked logit and transposes it, which
   cost more than the matmuls on CPU. Here dlogits is one fused elementwise pass:
-  g_lp * (onehot - p) - g_ent * p * (z - E_p[z]).
+  g_lp * (onehot - p) [- g_ent * p * (z - E_p[z]) with entropies].
   """
-  return _chunk_logprobs_fwd(hx, unembed, tx)[0]
+  return _chunk_logprobs_fwd(hx, unembed, tx, with_entropy)[0]
 
 
-def _chunk_logprobs_fwd(hx, unembed, tx):
+def _chunk_logprobs_fwd(hx, unembed, tx, with_entropy):
   z = _chunk_logits(hx, unembed)
   lse = jax.nn.logsumexp(z, axis=-1)
   picked = jnp.take_along_axis(z, tx[..., None], axis=-1)[..., 0]
-  p = jnp.exp(z - lse[..., None])
-  ent = lse - jnp.sum(p * z, axis=-1)
+  if with_entropy:
+    ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+  else:
+    ent = jnp.zeros_like(lse)
   return (picked - lse, ent), (hx, unembed, tx, lse)
 
 
-def _chunk_logprobs_bwd(residuals, g):
+def _chunk_logprobs_bwd(with_entropy, residuals, g):
   hx, unembed, tx, lse = residuals
   g_lp, g_ent = g
   z = _chunk_logits(hx, unembed)
   p = jnp.exp(z - lse[..., None])
-  mean_z = jnp.sum(p * z, axis=-1, keepdims=True)
   onehot = jnp.arange(z.shape[-1])[None, None, :] == tx[..., None]
-  dz = g_lp[..., None] * (onehot - p) - g_ent[..., None] * p * (z - mean_z)
+  dz = g_lp[..., None] * (onehot - p)
+  if with_entropy:  # without, dz is one pass over z: no [B, chunk, V] buffer besides z and dz
+    mean_z = jnp.sum(p * z, axis=-1, keepdims=True)
+    dz = dz - g_ent[..., None] * p * (z - mean_z)
   dz = dz.astype(hx.dtype)
-  return (jnp.einsum("btv,hv->bth", dz, unembed).astype(hx.dtype),
-          jnp.einsum("bth,btv->hv", hx, dz).astype(unembed.dtype), None)
+  # As in swiglu: transpose the narrow [tokens, hidden] side, not the [tokens, vocab] one.
+  dw = hx.reshape(-1, hx.shape[-1]).T @ dz.reshape(-1, dz.shape[-1])
+  return (jnp.einsum("btv,hv->bth", dz, unembed).astype(hx.dtype), dw.astype(unembed.dtype),
+          None)
 
 
 _chunk_logprobs.defvjp(_chunk_logprobs_fwd, _chunk_logprobs_bwd)
