@@ -149,8 +149,11 @@ class PlanCase:
 
   @property
   def attention_label(self) -> str:
-    """'xla', or 'chk1024' for query-chunked attention with its chunk length."""
-    return "xla" if self.attention_impl == "xla" else f"chk{self.attention_chunk}"
+    """'xla', 'dpa', or 'chk1024' / 'blk1024' for query-chunked / blockwise attention."""
+    prefix = {"chunked": "chk", "blockwise": "blk"}.get(self.attention_impl)
+    if prefix is None:
+      return {"dot_product": "dpa"}.get(self.attention_impl, self.attention_impl)
+    return f"{prefix}{self.attention_chunk}"
 
   def model_config(self) -> model_config.Qwen3Config:
     return model_config.get_preset(
@@ -344,7 +347,8 @@ def cases_from_config(config) -> list[PlanCase]:
       for mb in ints("micro_batch"):
         for remat in strs("remat_policy"):
           for attn in strs("attention_impl"):
-            for chunk in (ints("attention_chunk") if attn == "chunked" else [1024]):
+            for chunk in (ints("attention_chunk") if attn in ("chunked", "blockwise")
+                          else [1024]):
               for pdt in strs("param_dtype"):
                 out.append(PlanCase(
                     preset=config.preset, mesh=mesh, seq_len=config.prompt_len + response,

@@ -165,6 +165,11 @@ def use_mesh_rules(mesh: Mesh | None, rules=DEFAULT_RULES):
     _CTX.reset(token)
 
 
+def mesh_active() -> bool:
+  """Whether code runs inside `use_mesh_rules` with a mesh (activations get sharded)."""
+  return _CTX.get() is not None
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint by logical axes; a no-op without an active mesh."""
   ctx = _CTX.get()

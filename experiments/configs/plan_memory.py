@@ -13,8 +13,8 @@ Fields:
   response_lens: comma-separated response budgets; a sequence is prompt_len + response.
   micro_batch: comma-separated sequences per micro-batch per batch shard (data x fsdp).
   remat_policy: comma-separated, from none, full, dots, dots_no_batch, qkv_proj.
-  attention_impl: comma-separated, from xla (full [T, T] scores), chunked.
-  attention_chunk: comma-separated query-chunk lengths, used with attention_impl=chunked.
+  attention_impl: comma-separated, from xla (full [T, T] scores), chunked, blockwise.
+  attention_chunk: comma-separated query-block lengths, used with chunked and blockwise.
   param_dtype: comma-separated master-weight dtypes (float32 = fp32 master weights).
   dtype: compute dtype of the matmuls.
   micro_batches: gradient-accumulation steps (a lax.scan: temp memory does not grow).
