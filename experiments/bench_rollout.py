@@ -20,6 +20,11 @@ r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent ro
     tokens and then appends a scripted call that runs the problem's code; the last
     turn is sampled freely until a stop id or the response budget. Reports
     trajectories/s, tool calls/s, tool latency, slot utilisation of the engine.
+    `--static_baseline` also runs the same rollouts with static batching (`TurnBatches`:
+    a turn of every live trajectory starts together and returns when its longest
+    sequence is done, as `generate()` pads a batch), alternating with the continuous
+    runs in one process, and reports the ratio. Use `--slots` >= `--trajectories` so
+    the static batch fits the engine at once.
 
 Everything goes to --out as JSON too. Not a test: nothing is asserted. Figures depend on the machine and its load.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -56,6 +62,11 @@ flags.DEFINE_integer("think_tokens", 24, "(b) tokens sampled before each scripte
 flags.DEFINE_integer("sandbox_children", 8, "(b) sandbox server --max-children")
 flags.DEFINE_float("prefix_grace_s", 0.25, "(b) EngineConfig.prefix_grace_s (0: a freed slot "
                    "goes to the next queued request at once)")
+flags.DEFINE_boolean("static_baseline", False, "(b) also time static batching (TurnBatches), "
+                     "alternating with the continuous runs")
+flags.DEFINE_boolean("unequal", False, "(b) very unequal lengths: per trajectory 1/4x-4x "
+                     "--think_tokens and a last turn of 8-256 tokens (log-uniform)")
+flags.DEFINE_integer("rounds", 2, "(b) timed runs per mode with --static_baseline")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
@@ -250,12 +261,15 @@ class ToolCallingEngine:
   trajectory's code (tool-side log-prob 0). Later turns go to the engine unchanged."""
 
   def __init__(self, engine, call_ids_by_uid, calls_per_traj: int, think_tokens: int,
-               vocab_size: int):
+               vocab_size: int, unequal: bool = False):
     self.engine = engine
     self.call_ids = call_ids_by_uid
     self.calls_per_traj = calls_per_traj
     self.think_tokens = think_tokens
     self.vocab_size = vocab_size
+    # unequal: each trajectory thinks 1/4x-4x `think_tokens` per turn and caps its last
+    # turn at 8-256 tokens (log-uniform, seeded by its uid): very unequal lengths.
+    self.unequal = unequal
     # Prefix reuse: tokens cached for a trajectory when its previous turn ended (what
     # its next turn could reuse) against what the engine reused.
     self.cached: dict[str, int] = {}
@@ -273,9 +287,14 @@ class ToolCallingEngine:
     if not uid or not turn.isdigit():
       raise ValueError(f"request_id {request.request_id!r} is not '<uid>/turn<k>'")
     call = self.call_ids[uid]
-    think = min(self.think_tokens, request.max_new_tokens - len(call))
+    think, last = self.think_tokens, request.max_new_tokens
+    if self.unequal:
+      rng = random.Random(uid)
+      think = rng.randint(max(1, think // 4), think * 4)
+      last = min(last, int(round(8 * 32 ** rng.random())))
+    think = min(think, request.max_new_tokens - len(call))
     if int(turn) >= self.calls_per_traj or think < 1:
-      out = await self.engine.generate(request)
+      out = await self.engine.generate(dataclasses.replace(request, max_new_tokens=last))
       self._account(uid, int(turn), request, out)
       return out
     # Every thinking turn ends in a tool call: the engine may hold its slot for the next.
@@ -288,6 +307,43 @@ class ToolCallingEngine:
         logprobs=out.logprobs + [0.0] * len(call), finish_reason="stop",
         prompt_tokens=out.prompt_tokens, reused_prefix_tokens=out.reused_prefix_tokens,
         queue_wait_s=out.queue_wait_s)
+
+
+class TurnBatches:
+  """Static batching over an engine, the baseline for continuous batching: the
+  requests of one turn wait until every live trajectory has sent its own (or ended),
+  start together, and all return when the last of them is done."""
+
+  def __init__(self, inner, trajectories: int):
+    self.inner = inner
+    self.live = trajectories
+    self.waiting: list = []
+    self.batches = 0
+
+  async def generate(self, request):
+    fut = asyncio.get_running_loop().create_future()
+    self.waiting.append((request, fut))
+    self._release()
+    return await fut
+
+  def finished(self, _trajectory=None) -> None:
+    self.live -= 1
+    self._release()
+
+  def _release(self) -> None:
+    if self.waiting and len(self.waiting) >= self.live:
+      batch, self.waiting = self.waiting, []
+      self.batches += 1
+      asyncio.ensure_future(self._run(batch))
+
+  async def _run(self, batch) -> None:
+    outs = await asyncio.gather(*(self.inner.generate(r) for r, _ in batch),
+                                return_exceptions=True)
+    for (_, fut), out in zip(batch, outs):
+      if isinstance(out, BaseException):
+        fut.set_exception(out)
+      else:
+        fut.set_result(out)
 
 
 class TimedTools:
@@ -349,16 +405,18 @@ def bench_agent():
 
   pool = EnginePool([engine])
 
-  def rollout(url, n, seed):
+  def rollout(url, n, seed, static=False):
     problems, calls = problems_for(n, seed)
     wrapped = ToolCallingEngine(pool, calls, FLAGS.calls_per_traj, FLAGS.think_tokens,
-                                cfg.vocab_size)
+                                cfg.vocab_size, unequal=FLAGS.unequal)
     tools = TimedTools(SandboxTools(url, timeout_s=10.0))
 
     async def main():
+      engine_ = TurnBatches(wrapped, n) if static else wrapped
       try:
-        return await run_many(wrapped, tools, proto, problems, acfg,
-                              seeds=list(range(seed * 10_000, seed * 10_000 + n)))
+        return await run_many(engine_, tools, proto, problems, acfg,
+                              seeds=list(range(seed * 10_000, seed * 10_000 + n)),
+                              progress=engine_.finished if static else None)
       finally:
         await tools.inner.aclose()
     t = time.perf_counter()
@@ -368,6 +426,13 @@ def bench_agent():
   try:
     with running_server(max_children=FLAGS.sandbox_children, pool_size=2) as url:
       rollout(url, 4, seed=1)          # warm-up: the sandbox pool, the HTTP client
+      modes = {"continuous": [], "static": []}
+      if FLAGS.static_baseline:
+        # The same problems and seeds in both modes, alternating: load hits both.
+        for _ in range(FLAGS.rounds):
+          for mode in modes:
+            _, _, w, _ = rollout(url, FLAGS.trajectories, seed=2, static=mode == "static")
+            modes[mode].append(w)
       before = dict(engine.metrics)
       trajs, tools, wall, wrapped = rollout(url, FLAGS.trajectories, seed=2)
       after = dict(engine.metrics)
@@ -417,7 +482,16 @@ def bench_agent():
   ]
   for k, v in rows:
     print(f"    {k:<32}{v}")
-  return {"trajectories": n, "wall_s": wall, "trajectories_per_s": n / wall,
+  static = {}
+  if FLAGS.static_baseline:
+    med = {m: statistics.median(w) for m, w in modes.items()}
+    static = {"wall_s": modes, "trajectories_per_s": {m: n / w for m, w in med.items()},
+              "continuous_over_static": med["static"] / med["continuous"]}
+    print(f"    static batching baseline ({FLAGS.rounds} runs per mode, alternating, same "
+          f"problems and seeds): continuous {n / med['continuous']:.2f} vs static "
+          f"{n / med['static']:.2f} trajectories/s -> continuous batching "
+          f"{static['continuous_over_static']:.2f}x")
+  return {"static_baseline": static, "trajectories": n, "wall_s": wall, "trajectories_per_s": n / wall,
           "tool_calls": calls, "tool_errors": errors, "tool_calls_per_s": calls / wall,
           "tool_latency_ms": lat.tolist(), "finish_reasons": reasons,
           "response_tokens_mean": float(resp.mean()), "model_tokens": model_tok,
