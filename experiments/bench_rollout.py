@@ -274,8 +274,10 @@ class ToolCallingEngine:
     # its next turn could reuse) against what the engine reused.
     self.cached: dict[str, int] = {}
     self.reusable = self.reused = 0
+    self.decoded: dict[str, dict[int, int]] = {}   # uid -> turn -> tokens the engine sampled
 
   def _account(self, uid: str, turn: int, request, out) -> None:
+    self.decoded.setdefault(uid, {})[turn] = len(out.output_ids)
     if turn > 0:
       self.reusable += self.cached.get(uid, 0)
       self.reused += out.reused_prefix_tokens
@@ -485,12 +487,22 @@ def bench_agent():
   static = {}
   if FLAGS.static_baseline:
     med = {m: statistics.median(w) for m, w in modes.items()}
+    # What the spread allows, in decode steps (prefill and tools left out; slots >=
+    # trajectories): static waits for each turn's longest sequence, continuous only for
+    # the longest trajectory.
+    per_traj = list(wrapped.decoded.values())
+    turns = max(max(t) for t in per_traj) + 1
+    static_steps = sum(max(t.get(k, 0) for t in per_traj) for k in range(turns))
+    cont_steps = max(sum(t.values()) for t in per_traj)
     static = {"wall_s": modes, "trajectories_per_s": {m: n / w for m, w in med.items()},
-              "continuous_over_static": med["static"] / med["continuous"]}
+              "continuous_over_static": med["static"] / med["continuous"],
+              "decode_step_bound": static_steps / cont_steps}
     print(f"    static batching baseline ({FLAGS.rounds} runs per mode, alternating, same "
           f"problems and seeds): continuous {n / med['continuous']:.2f} vs static "
           f"{n / med['static']:.2f} trajectories/s -> continuous batching "
-          f"{static['continuous_over_static']:.2f}x")
+          f"{static['continuous_over_static']:.2f}x; the lengths allow at most "
+          f"{static['decode_step_bound']:.2f}x (decode steps: static {static_steps}, "
+          f"continuous {cont_steps}; {FLAGS.slots} slots)")
   return {"static_baseline": static, "trajectories": n, "wall_s": wall, "trajectories_per_s": n / wall,
           "tool_calls": calls, "tool_errors": errors, "tool_calls_per_s": calls / wall,
           "tool_latency_ms": lat.tolist(), "finish_reasons": reasons,
