@@ -176,6 +176,12 @@ def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight
   assert "config error" not in log
 
 
+# Out of CI until a known hang is fixed: in 2 of ~8 fresh-clone CI runs process 1 left
+# `recipe.run` before the first barrier after start-up (once the coordination service
+# aborted process 0, once process 0 waited there while process 1 sat in jax's atexit
+# shutdown); its output was not captured either time. Run it with -m slow; a timeout
+# now prints both processes' output.
+@pytest.mark.slow
 def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, tmp_path):
   """Multi-process JAX (issue 16): stage 1 as two trainer processes of one job (one CPU
   device each, the params sharded fsdp=2 over both, gloo collectives). Process 0
@@ -199,6 +205,12 @@ def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, 
     try:
       for p in procs:
         logs.append(p.communicate(timeout=500)[0])
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      logs = [p.communicate()[0] for p in procs]   # what each wrote before the kill
+      raise AssertionError("timed out:\n" + "\n".join(
+          f"process {i}:\n{log[-4000:]}" for i, log in enumerate(logs))) from None
     finally:
       for p in procs:
         p.kill()
