@@ -320,7 +320,6 @@ class TurnBatches:
     self.inner = inner
     self.live = trajectories
     self.waiting: list = []
-    self.batches = 0
 
   async def generate(self, request):
     fut = asyncio.get_running_loop().create_future()
@@ -335,7 +334,6 @@ class TurnBatches:
   def _release(self) -> None:
     if self.waiting and len(self.waiting) >= self.live:
       batch, self.waiting = self.waiting, []
-      self.batches += 1
       asyncio.ensure_future(self._run(batch))
 
   async def _run(self, batch) -> None:

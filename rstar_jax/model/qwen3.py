@@ -138,10 +138,11 @@ def _swiglu_bwd(residuals, dy):
   ht = h.reshape(-1, h.shape[-1]).T
   dyt = dy.reshape(-1, dy.shape[-1]).T
   flat = lambda a: a.reshape(-1, a.shape[-1])
-  as_weight = lambda a, axes: sharding.constrain(a, axes)  # the weight's own sharding
-  return (dh.astype(h.dtype), as_weight(ht @ flat(dg), ("embed", "mlp")).astype(w_gate.dtype),
-          as_weight(ht @ flat(du), ("embed", "mlp")).astype(w_up.dtype),
-          as_weight((dyt @ flat((act * uf).astype(dt))).T, ("mlp", "embed")).astype(w_down.dtype))
+  d_gate = sharding.constrain(ht @ flat(dg), ("embed", "mlp"))   # the weights' own sharding
+  d_up = sharding.constrain(ht @ flat(du), ("embed", "mlp"))
+  d_down = sharding.constrain((dyt @ flat((act * uf).astype(dt))).T, ("mlp", "embed"))
+  return (dh.astype(h.dtype), d_gate.astype(w_gate.dtype), d_up.astype(w_up.dtype),
+          d_down.astype(w_down.dtype))
 
 
 swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -326,8 +327,9 @@ def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, 
   """Per-token log-probs (and entropies) of `targets` without [B, T, V] logits.
 
   Logits exist for `chunk` positions at a time and are recomputed in the backward
-  pass (`_chunk_logprobs`, or jax.checkpoint on a mesh), so peak memory is O(B * chunk * V) instead of O(B * T * V):
-  at 12K tokens x 151,936 vocab the full fp32 logits alone are 7.3 GB per sequence.
+  pass (`_chunk_logprobs`, or jax.checkpoint on a mesh), so peak memory is
+  O(B * chunk * V) instead of O(B * T * V): at 12K tokens x 151,936 vocab the full
+  fp32 logits alone are 7.3 GB per sequence.
   """
   b, t, h = hidden.shape
   chunk = min(chunk, t)
@@ -362,17 +364,24 @@ def _chunk_logits(hx, unembed):
   return sharding.constrain(logits, ("batch", "length", "act_vocab"))
 
 
+def _onehot(z, tx):
+  return jnp.arange(z.shape[-1])[None, None, :] == tx[..., None]
+
+
+def _logprob_entropy(z, tx, with_entropy):
+  """(log p(tx), entropy or zeros, log-sum-exp) from logits z [B, chunk, V]."""
+  lse = jax.nn.logsumexp(z, axis=-1)
+  # A masked sum, not take_along_axis, whose backward is a scatter into [B, chunk, V].
+  lp = jnp.sum(jnp.where(_onehot(z, tx), z, 0.0), axis=-1) - lse
+  if not with_entropy:
+    return lp, jnp.zeros_like(lp), lse
+  return lp, lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1), lse
+
+
 def _autodiff_chunk_logprobs(args, *, unembed, with_entropy):
   """`_chunk_logprobs` for autodiff (under jax.checkpoint: logits recomputed)."""
   hx, tx = args
-  z = _chunk_logits(hx, unembed)
-  lse = jax.nn.logsumexp(z, axis=-1)
-  # A masked sum, not take_along_axis, whose backward is a scatter into [B, chunk, V].
-  onehot = jnp.arange(z.shape[-1])[None, None, :] == tx[..., None]
-  lp = jnp.sum(jnp.where(onehot, z, 0.0), axis=-1) - lse
-  if not with_entropy:
-    return lp, jnp.zeros_like(lp)
-  return lp, lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+  return _logprob_entropy(_chunk_logits(hx, unembed), tx, with_entropy)[:2]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -388,14 +397,8 @@ def _chunk_logprobs(hx, unembed, tx, with_entropy):
 
 
 def _chunk_logprobs_fwd(hx, unembed, tx, with_entropy):
-  z = _chunk_logits(hx, unembed)
-  lse = jax.nn.logsumexp(z, axis=-1)
-  picked = jnp.take_along_axis(z, tx[..., None], axis=-1)[..., 0]
-  if with_entropy:
-    ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
-  else:
-    ent = jnp.zeros_like(lse)
-  return (picked - lse, ent), (hx, unembed, tx, lse)
+  lp, ent, lse = _logprob_entropy(_chunk_logits(hx, unembed), tx, with_entropy)
+  return (lp, ent), (hx, unembed, tx, lse)
 
 
 def _chunk_logprobs_bwd(with_entropy, residuals, g):
@@ -403,8 +406,7 @@ def _chunk_logprobs_bwd(with_entropy, residuals, g):
   g_lp, g_ent = g
   z = _chunk_logits(hx, unembed)
   p = jnp.exp(z - lse[..., None])
-  onehot = jnp.arange(z.shape[-1])[None, None, :] == tx[..., None]
-  dz = g_lp[..., None] * (onehot - p)
+  dz = g_lp[..., None] * (_onehot(z, tx) - p)
   if with_entropy:  # without, dz is one pass over z: no [B, chunk, V] buffer besides z and dz
     mean_z = jnp.sum(p * z, axis=-1, keepdims=True)
     dz = dz - g_ent[..., None] * p * (z - mean_z)
