@@ -472,6 +472,9 @@ def bench_agent():
       ("engine generated tokens / s", f"{d.get('generated_tokens', 0) / wall:.0f}"),
       ("engine slot utilisation", f"{util:.2f} (active slot-steps / (decode steps x slots))"),
       ("engine busy fraction", f"{d.get('busy_s', 0.0) / wall:.2f}"),
+      ("engine decode / prefill time", f"{d.get('decode_s', 0.0):.2f} s in {d.get('decode_steps', 0)} "
+                                       f"steps / {d.get('prefill_s', 0.0):.2f} s in "
+                                       f"{d.get('prefill_calls', 0)} calls"),
       ("prefill tokens (prefix-reused)", f"{d.get('prefill_tokens', 0)} "
                                          f"({d.get('reused_prefix_tokens', 0)})"),
       ("prefix reused / reusable", f"{wrapped.reused} / {wrapped.reusable} tokens of later turns "

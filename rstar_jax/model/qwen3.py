@@ -11,6 +11,11 @@ Layout choices:
   a query attends to cache slots <= its position. Slots past a sequence's current
   length may hold stale values; they are never attended, so slots need no clearing
   between requests.
+* The KV cache is one [B, Nkv, S, D] buffer per layer, and cached calls (prefill,
+  decode) unroll the layers instead of scanning them. Slicing a layer out of a
+  stacked [L, ...] cache in the scan carry copied it every step on XLA:CPU, and the
+  sequence-major layout made attention transpose it: together 4x the decode step's
+  attention time.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from rstar_jax import sharding
 from rstar_jax.model import blockwise_attention
 from rstar_jax.model.config import Qwen3Config
 
-Cache = dict[str, jax.Array]  # {"k": [L, B, S, Nkv, D], "v": [L, B, S, Nkv, D]}
+Cache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B, Nkv, S, D], "v": the same}
 _NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN.
 
 
@@ -59,20 +64,52 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _attend(q, k, v, mask):
-  """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D], mask [B,T,S] bool."""
+def _attend(q, k, v, mask, heads_first: bool = False):
+  """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D] ([B,Nkv,S,D] when
+  `heads_first`: the KV cache's layout), mask [B,T,S] bool."""
   b, t, nq, d = q.shape
-  nkv = k.shape[2]
+  nkv = k.shape[1 if heads_first else 2]
+  kv = "bksd" if heads_first else "bskd"
   q = q.reshape(b, t, nkv, nq // nkv, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (d ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
   return out.reshape(b, t, nq, d)
 
 
-def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024):
+def _attend_one_query(q, k, v, mask):
+  """`_attend` for one query per row (a decode step) on a [B, Nkv, S, D] cache, as
+  multiply-and-reduce.
+
+  For one query the two einsums are batched matrix-vector products, which XLA:CPU
+  ran at a third of the memory bandwidth; this form is one fused pass over k and one
+  over v. Accumulates in fp32 whatever the cache dtype.
+  """
+  b, _, nq, d = q.shape
+  nkv = k.shape[1]
+  f32 = jnp.float32
+  qf = q.reshape(b, nkv, nq // nkv, 1, d).astype(f32)
+  scores = (qf * k[:, :, None].astype(f32)).sum(-1) * (d ** -0.5)  # [B, Nkv, G, S]
+  scores = jnp.where(mask[:, :, None, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = (probs[..., None] * v[:, :, None].astype(f32)).sum(-2)  # [B, Nkv, G, D]
+  return out.reshape(b, 1, nq, d).astype(q.dtype)
+
+
+def cached_attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024):
+  """Attention of new tokens over a [B, Nkv, S, D] KV cache (prefill and decode)."""
+  if impl == "dot_product":
+    return attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, impl, chunk)
+  if q.shape[1] == 1:
+    return _attend_one_query(q, k, v, mask)
+  # Keys are cache slots, not the queries' own sequence: "blockwise" does not apply.
+  return attention(q, k, v, mask, "xla" if impl == "blockwise" else impl, chunk,
+                   heads_first=True)
+
+
+def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024, heads_first: bool = False):
   """Dispatches to full, query-chunked, blockwise or fused attention (same result).
 
   "chunked" materialises scores for `chunk` queries at a time and recomputes them
@@ -90,14 +127,14 @@ def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024):
                                         scale=q.shape[-1] ** -0.5)
   t = q.shape[1]
   if impl == "xla" or t <= chunk:
-    return _attend(q, k, v, mask)
+    return _attend(q, k, v, mask, heads_first)
   pad = (-t) % chunk
   qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
   mp = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
   n = qp.shape[1] // chunk
   qc = qp.reshape(q.shape[0], n, chunk, *q.shape[2:]).swapaxes(0, 1)
   mc = mp.reshape(mask.shape[0], n, chunk, mask.shape[2]).swapaxes(0, 1)
-  step = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1]))
+  step = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1], heads_first))
   out = jax.lax.map(step, (qc, mc))  # [n, B, chunk, Nq, D]
   out = out.swapaxes(0, 1).reshape(q.shape[0], n * chunk, *q.shape[2:])
   return out[:, :t]
@@ -170,8 +207,9 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, mask, cfg: Qwen3Config, kv=None, write_index=None):
     """Applies ONE layer (called on a per-layer slice of the stacked state).
 
-    kv: optional (k_cache, v_cache) [B, S, Nkv, D] of this layer; k/v of the new
-    tokens are written at `write_index` [B, T] and attention runs over the cache.
+    kv: optional (k_cache, v_cache) [B, Nkv, S, D] of this layer; k/v of the new
+    tokens are written at `write_index` [B, T] and attention runs over the first
+    mask.shape[-1] slots of the cache.
     """
     dt = jnp.dtype(cfg.dtype)
     cn = checkpoint_name
@@ -185,23 +223,21 @@ class DecoderLayer(nnx.Module):
     q = rope(rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
     k = rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
     new_kv = None
-    if kv is not None:
-      # The caches of ALL layers [L, B, S, Nkv, D] travel in the scan carry and are
-      # updated in place; passing per-layer slices as scan inputs/outputs instead
-      # rewrote the whole cache every decode step.
-      k_all, v_all, li = kv
+    if kv is None:
+      a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk)
+    else:
+      k_cache, v_cache = kv
       b_idx = jnp.arange(x.shape[0])[:, None]
-      # mode="drop": padded tokens may carry positions past the cache end.
-      k_all = k_all.at[li, b_idx, write_index].set(k.astype(k_all.dtype), mode="drop")
-      v_all = v_all.at[li, b_idx, write_index].set(v.astype(v_all.dtype), mode="drop")
-      new_kv = (k_all, v_all)
-      # Attention reads the first mask.shape[-1] slots only (the caller's length
-      # bucket: a decode step need not read the unfilled end of every slot).
+      # In place (the caller donates the cache). mode="drop": padded tokens may carry
+      # positions past the cache end.
+      k_cache = k_cache.at[b_idx, :, write_index].set(k.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[b_idx, :, write_index].set(v.astype(v_cache.dtype), mode="drop")
+      new_kv = (k_cache, v_cache)
+      # The first mask.shape[-1] slots only (the caller's length bucket: a decode
+      # step need not read the unfilled end of every slot).
       n = mask.shape[-1]
-      k, v = k_all[li, :, :n].astype(dt), v_all[li, :, :n].astype(dt)
-    # With a cache, keys are slots, not the queries' own sequence: "blockwise" does not apply.
-    impl = "xla" if kv is not None and cfg.attention_impl == "blockwise" else cfg.attention_impl
-    a = attention(q, k, v, mask, impl, cfg.attention_chunk)
+      a = cached_attention(q, k_cache[:, :, :n].astype(dt), v_cache[:, :, :n].astype(dt), mask,
+                           cfg.attention_impl, cfg.attention_chunk)
     a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
     x = x + a
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
@@ -260,35 +296,36 @@ class Qwen3(nnx.Module):
       order = idx[None, :] <= idx[:, None]  # guards packed rows with repeated positions
       mask = same & causal & order[None] & (segment_ids[:, None, :] != 0)
     else:
-      size = cache["k"].shape[2]
+      size = cache["k"][0].shape[2]
       slots = jnp.arange(size if attend_len is None else min(attend_len, size))
       mask = slots[None, None, :] <= positions[:, :, None]
     x = self.embed_tokens[...].astype(jnp.dtype(cfg.dtype))[tokens]
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
     graphdef, layer_state = nnx.split(self.layers)
-
-    def body(carry, xs):
-      x, kv = carry
-      state, li = xs
-      layer = nnx.merge(graphdef, state)
-      x, new_kv = layer(x, positions, mask, cfg,
-                        kv=None if kv is None else (*kv, li), write_index=positions)
-      return (x, new_kv), None
-
-    if cfg.remat_policy != "none":
-      body = jax.checkpoint(body, policy=_remat_policy(cfg.remat_policy),
-                            prevent_cse=not cfg.scan_layers)
-    carry = (x, None if cache is None else (cache["k"], cache["v"]))
-    layer_ids = jnp.arange(cfg.num_hidden_layers)
-    if cfg.scan_layers:
-      (x, new_kv), _ = jax.lax.scan(body, carry, (layer_state, layer_ids))
+    layer_at = lambda i: nnx.merge(graphdef, jax.tree.map(lambda a: a[i], layer_state))
+    new_cache = None
+    if cache is not None:
+      # Inference: layers unrolled, each with its own cache buffer (module docstring).
+      ks, vs = [], []
+      for i, kv in enumerate(zip(cache["k"], cache["v"])):
+        x, (k_i, v_i) = layer_at(i)(x, positions, mask, cfg, kv=kv, write_index=positions)
+        ks.append(k_i)
+        vs.append(v_i)
+      new_cache = {"k": tuple(ks), "v": tuple(vs)}
     else:
-      for i in range(cfg.num_hidden_layers):
-        carry, _ = body(carry, jax.tree.map(lambda a: a[i], (layer_state, layer_ids)))
-      x, new_kv = carry
+      def body(x, state):
+        return nnx.merge(graphdef, state)(x, positions, mask, cfg)[0], None
+
+      if cfg.remat_policy != "none":
+        body = jax.checkpoint(body, policy=_remat_policy(cfg.remat_policy),
+                              prevent_cse=not cfg.scan_layers)
+      if cfg.scan_layers:
+        x, _ = jax.lax.scan(body, x, layer_state)
+      else:
+        for i in range(cfg.num_hidden_layers):
+          x, _ = body(x, jax.tree.map(lambda a: a[i], layer_state))
     x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-    new_cache = None if cache is None else {"k": new_kv[0], "v": new_kv[1]}
     return x, new_cache
 
   # --- Heads ---------------------------------------------------------------
@@ -312,13 +349,15 @@ class Qwen3(nnx.Module):
 
   # --- KV cache ------------------------------------------------------------
   def init_cache(self, batch: int, max_len: int, dtype: Any | None = None) -> Cache:
+    """Zeros: per layer, k and v [batch, kv_heads, max_len, head_dim]."""
     cfg = self.cfg
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     dt = jnp.dtype(dtype or cfg.dtype)
-    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_hidden_layers))
+    return {"k": zeros(), "v": zeros()}
 
 
-CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", None)
+CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)  # of each layer's k / v
 
 
 def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,

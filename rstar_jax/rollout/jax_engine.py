@@ -85,13 +85,13 @@ class _Slot:
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _prefill(graphdef, state, cache, slot, tokens, positions, last, seed, temp, top_p, top_k):
   model = nnx.merge(graphdef, state)
-  slot_cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), cache)
+  slot_cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), cache)
   hidden, slot_cache = model(tokens, positions, cache=slot_cache)
   h_last = jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1)
   logits = model.logits(h_last)[:, 0]
   tok, logp = sampling.sample(logits, seed[None], jnp.zeros((1,), jnp.int32), temp[None],
                               top_p[None], top_k[None])
-  cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=1),
+  cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=0),
                        cache, slot_cache)
   return cache, tok[0], logp[0]
 
@@ -303,17 +303,21 @@ class JaxEngine:
     toks = np.zeros((1, bucket), np.int32)
     toks[0, :len(new)] = new
     pos = (reuse + np.arange(bucket, dtype=np.int32))[None]
+    t0 = time.perf_counter()
     self.cache, tok, logp = _prefill(
         self.graphdef, self.state, self.cache, jnp.int32(i), jnp.asarray(toks),
         jnp.asarray(pos), jnp.int32(len(new) - 1), jnp.int32(req.seed),
         jnp.float32(req.temperature), jnp.float32(req.top_p), jnp.int32(req.top_k))
+    tok, logp = int(tok), float(logp)  # waits for the device
+    self.metrics["prefill_s"] += time.perf_counter() - t0
+    self.metrics["prefill_calls"] += 1
     s = self.slots[i]
     s.request, s.future, s.cached, s.held_until = req, fut, ids, 0.0
     s.out_ids, s.out_logps, s.reused, s.wait_s = [], [], reuse, wait_s
     self.metrics["prefill_tokens"] += len(new)
     self.metrics["reused_prefix_tokens"] += reuse
     self.metrics["requests"] += 1
-    self._accept(i, int(tok), float(logp))
+    self._accept(i, tok, logp)
 
   def _accept(self, i: int, tok: int, logp: float) -> None:
     s = self.slots[i]
@@ -363,11 +367,13 @@ class JaxEngine:
     attend = None
     if self.config.decode_buckets and active:
       attend = self.config.length_bucket(int(max(pos[i] for i in active)) + 1)
+    t0 = time.perf_counter()
     self.cache, out_tok, out_logp = _decode(
         self.graphdef, self.state, self.cache, jnp.asarray(toks), jnp.asarray(pos),
         jnp.asarray(seeds), jnp.asarray(idx), jnp.asarray(temps), jnp.asarray(top_p),
         jnp.asarray(top_k), attend_len=attend)
     out_tok, out_logp = np.asarray(out_tok), np.asarray(out_logp)
+    self.metrics["decode_s"] += time.perf_counter() - t0
     self.metrics["decode_steps"] += 1
     self.metrics["active_slot_steps"] += len(active)
     for i in active:

@@ -276,6 +276,30 @@ def test_blockwise_attention_matches_xla_in_logits_and_gradients(chunk):
                                err_msg=str(p))
 
 
+def test_cached_attention_matches_the_einsum_path():
+  """Attention over the [B, Nkv, S, D] cache - the decode step's multiply-and-reduce
+  (one query) and the prefill's einsums (several) - against `_attend` on the
+  sequence-major layout (GQA groups of 3, rows that see 1..S slots), in fp32 and
+  with a bf16 cache."""
+  rs = np.random.RandomState(4)
+  b, s, nkv, g, d = 5, 37, 2, 3, 16
+  k, v = (jnp.asarray(rs.randn(b, s, nkv, d).astype(np.float32)) for _ in range(2))
+  for t in (1, 4):
+    q = jnp.asarray(rs.randn(b, t, nkv * g, d).astype(np.float32))
+    pos = jnp.asarray([0, 5, 17, 36 - t + 1, 20])[:, None] + jnp.arange(t)
+    mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
+    ref = qwen3._attend(q, k, v, mask)
+    got = qwen3.cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask)
+    np.testing.assert_allclose(got, ref, atol=1e-6, err_msg=f"t={t}")
+  q = q[:, :1]
+  mask = mask[:, :1]
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  got = qwen3.cached_attention(q, kb.swapaxes(1, 2), vb.swapaxes(1, 2), mask)
+  ref_b = qwen3._attend(q, kb.astype(jnp.float32), vb.astype(jnp.float32), mask)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, ref_b, atol=1e-5)  # accumulates in fp32
+
+
 def test_blockwise_attention_refuses_a_kv_cache_shape():
   q = jnp.zeros((1, 2, 4, 8))
   kv = jnp.zeros((1, 6, 2, 8))
