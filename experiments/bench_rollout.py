@@ -66,6 +66,7 @@ flags.DEFINE_boolean("static_baseline", False, "(b) also time static batching (T
                      "alternating with the continuous runs")
 flags.DEFINE_boolean("unequal", False, "(b) very unequal lengths: per trajectory 1/4x-4x "
                      "--think_tokens and a last turn of 8-256 tokens (log-uniform)")
+flags.DEFINE_integer("prefill_batch_tokens", 1024, "(b) EngineConfig.prefill_batch_tokens")
 flags.DEFINE_integer("rounds", 2, "(b) timed runs per mode with --static_baseline")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
@@ -379,20 +380,14 @@ def bench_agent():
   cfg = model_config.get_preset(FLAGS.preset, vocab_size=tok.vocab_size)
   model = qwen3.create_model(cfg, seed=1)
   ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len,
-                      prefix_grace_s=FLAGS.prefix_grace_s)
+                      prefix_grace_s=FLAGS.prefix_grace_s,
+                      prefill_batch_tokens=FLAGS.prefill_batch_tokens)
   engine = JaxEngine(model, ecfg)
   acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)
 
-  # Compile every prefill bucket and the decode step before timing.
+  # Compile every prefill shape and decode bucket before timing.
   t = time.perf_counter()
-  lengths, bucket = [], ecfg.min_prefill_bucket
-  while bucket < ecfg.max_len:
-    lengths.append(bucket)
-    bucket *= 2
-  lengths.append(ecfg.max_len - 1)
-  engine.generate_sync([GenerationRequest(input_ids=[1] * n, max_new_tokens=1, seed=0)
-                        for n in lengths])
-  engine.generate_sync([GenerationRequest(input_ids=[1, 2], max_new_tokens=2, seed=0)])
+  n_shapes = engine.warm_up()
   compile_s = time.perf_counter() - t
 
   def problems_for(n, seed):
@@ -456,7 +451,7 @@ def bench_agent():
         f"vocab {cfg.vocab_size} (toy tokenizer), random weights; agent: max_turns "
         f"{acfg.max_turns}, max_response_tokens {acfg.max_response_tokens}; turns < "
         f"{FLAGS.calls_per_traj} = {FLAGS.think_tokens} sampled tokens + scripted call")
-  print(f"    engine warm-up (compile {len(lengths)} prefill buckets + decode): {compile_s:.1f} s "
+  print(f"    engine warm-up (compile {n_shapes} prefill and decode shapes): {compile_s:.1f} s "
         "(excluded)")
   rows = [
       ("trajectories", f"{n}"),
@@ -474,7 +469,8 @@ def bench_agent():
       ("engine busy fraction", f"{d.get('busy_s', 0.0) / wall:.2f}"),
       ("engine decode / prefill time", f"{d.get('decode_s', 0.0):.2f} s in {d.get('decode_steps', 0)} "
                                        f"steps / {d.get('prefill_s', 0.0):.2f} s in "
-                                       f"{d.get('prefill_calls', 0)} calls"),
+                                       f"{d.get('prefill_calls', 0)} calls "
+                                       f"({d.get('prefill_padded_tokens', 0)} padded tokens)"),
       ("prefill tokens (prefix-reused)", f"{d.get('prefill_tokens', 0)} "
                                          f"({d.get('reused_prefix_tokens', 0)})"),
       ("prefix reused / reusable", f"{wrapped.reused} / {wrapped.reusable} tokens of later turns "

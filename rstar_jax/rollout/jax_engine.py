@@ -2,8 +2,9 @@
 
 A fixed KV cache of `num_slots` sequences x `max_len` tokens. Each iteration of the
 engine loop
-  1. admits queued requests into free slots (one jitted prefill per request, its
-     length padded to a power-of-two bucket so few shapes compile), and
+  1. admits queued requests into free slots, prefilling several in one jitted call
+     (rows padded to a power-of-two length bucket, their count to a power of two, so
+     few shapes compile; at most `prefill_batch_tokens` padded tokens a call), and
   2. runs ONE jitted decode step for every active slot at once.
 A request that finishes (stop token, max_new_tokens, cache full) frees its slot at
 once, and the next queued request takes it at the next iteration: a trajectory that
@@ -53,6 +54,31 @@ class EngineConfig:
   # extend it take other free slots, or wait, instead of evicting it while the tool
   # runs. 0 turns it off.
   prefix_grace_s: float = 0.25
+  # Requests admitted together are prefilled together: one call carries up to this
+  # many padded tokens (rows x length bucket; a longer request goes alone), its rows
+  # padded to a power of 4 (few shapes to compile). 0: one request per call. A burst
+  # of 64 prompts of 24-64 tokens: 1.7-2.2x faster than one call each at 256 (1024
+  # was no faster).
+  prefill_batch_tokens: int = 256
+
+  def buckets(self) -> list[int]:
+    """Every value `length_bucket` can return, ascending."""
+    out, b = [], self.min_prefill_bucket
+    while b < self.max_len:
+      out.append(b)
+      b *= 2
+    return out + [self.max_len]
+
+  def prefill_rows(self, length: int) -> list[int]:
+    """The row counts a prefill call of this length bucket may have (powers of 4)."""
+    out = [1]
+    while out[-1] * 4 * length <= self.prefill_batch_tokens:
+      out.append(out[-1] * 4)
+    return out
+
+  def prefill_rows_for(self, n: int, length: int) -> int | None:
+    """The padded row count of a prefill call of n requests (None: too many)."""
+    return next((r for r in self.prefill_rows(length) if r >= n), None)
 
   def length_bucket(self, n: int) -> int:
     """The power of two >= n (at least min_prefill_bucket, at most max_len): the padded
@@ -62,6 +88,9 @@ class EngineConfig:
   def __post_init__(self):
     if self.prefix_grace_s < 0:
       raise ValueError(f"EngineConfig.prefix_grace_s must be >= 0, got {self.prefix_grace_s}")
+    if self.prefill_batch_tokens < 0:
+      raise ValueError(f"EngineConfig.prefill_batch_tokens must be >= 0, got "
+                       f"{self.prefill_batch_tokens}")
     if self.num_slots <= 0 or self.max_len <= 1 or self.min_prefill_bucket <= 0:
       raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
                        f"positive (got {self.num_slots}, {self.max_len}, "
@@ -83,17 +112,18 @@ class _Slot:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill(graphdef, state, cache, slot, tokens, positions, last, seed, temp, top_p, top_k):
+def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temps, top_p, top_k):
+  """Prefills row r of `tokens` [P, T] into cache slot slots[r]; samples each row's
+  first token from its position last[r]. Padding rows name slot num_slots (their
+  cache reads are zeros, their writes are dropped)."""
   model = nnx.merge(graphdef, state)
-  slot_cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), cache)
-  hidden, slot_cache = model(tokens, positions, cache=slot_cache)
-  h_last = jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1)
+  rows = jax.tree.map(lambda c: c.at[slots].get(mode="fill", fill_value=0), cache)
+  hidden, rows = model(tokens, positions, cache=rows)
+  h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
   logits = model.logits(h_last)[:, 0]
-  tok, logp = sampling.sample(logits, seed[None], jnp.zeros((1,), jnp.int32), temp[None],
-                              top_p[None], top_k[None])
-  cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, slot, axis=0),
-                       cache, slot_cache)
-  return cache, tok[0], logp[0]
+  tok, logp = sampling.sample(logits, seeds, jnp.zeros_like(seeds), temps, top_p, top_k)
+  cache = jax.tree.map(lambda c, r: c.at[slots].set(r, mode="drop"), cache, rows)
+  return cache, tok, logp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attend_len"), donate_argnames=("cache",))
@@ -281,43 +311,86 @@ class JaxEngine:
     return None
 
   def _admit(self) -> None:
-    while True:
-      with self._lock:
-        if not self.queue:
-          return
+    admitted = []  # slot indices, taken now so that the next pick sees them busy
+    with self._lock:
+      while self.queue:
         found = self._next_admissible()
         if found is None:
-          return
-        k, pick = found
+          break
+        k, (i, reuse) = found
         req, fut, t_sub = self.queue[k]
         del self.queue[k]
-      slot_idx, reuse = pick
-      self._prefill_into(slot_idx, req, fut, reuse, time.perf_counter() - t_sub)
+        s = self.slots[i]
+        s.request, s.future, s.cached, s.held_until = req, fut, list(req.input_ids), 0.0
+        s.out_ids, s.out_logps, s.reused = [], [], reuse
+        s.wait_s = time.perf_counter() - t_sub
+        admitted.append(i)
+    # Calls of similar length buckets: sorted, then cut where the padded batch would
+    # exceed prefill_batch_tokens.
+    bucket = lambda i: self.config.length_bucket(len(self.slots[i].cached) - self.slots[i].reused)
+    admitted.sort(key=bucket)
+    group: list[int] = []
+    for i in admitted:
+      if group and self.config.prefill_rows_for(len(group) + 1, bucket(i)) is None:
+        self._prefill_group(group, bucket(group[-1]))
+        group = []
+      group.append(i)
+    if group:
+      self._prefill_group(group, bucket(group[-1]))
 
-  def _prefill_into(self, i, req, fut, reuse, wait_s):
-    ids = list(req.input_ids)
-    new = ids[reuse:]
-    bucket = self.config.length_bucket(len(new))
-    if len(new) > bucket:  # cannot happen: validate() bounds input by max_len
-      raise AssertionError((len(new), bucket))
-    toks = np.zeros((1, bucket), np.int32)
-    toks[0, :len(new)] = new
-    pos = (reuse + np.arange(bucket, dtype=np.int32))[None]
+  def _prefill_arrays(self, rows: int, length: int) -> tuple[np.ndarray, ...]:
+    """A prefill call's inputs, every row padding: no slot, writes nowhere."""
+    return (np.full(rows, self.config.num_slots, np.int32), np.zeros((rows, length), np.int32),
+            np.full((rows, length), self.config.max_len, np.int32), np.zeros(rows, np.int32),
+            np.zeros(rows, np.int32), np.ones(rows, np.float32), np.ones(rows, np.float32),
+            np.zeros(rows, np.int32))
+
+  def warm_up(self) -> int:
+    """Compiles every prefill shape (`EngineConfig.prefill_rows` x length buckets) and
+    every decode bucket by running them on padding rows (the cache is unchanged).
+    Call it while nothing runs; returns the number of shapes."""
+    n = 0
+    for length in self.config.buckets():
+      for rows in self.config.prefill_rows(length):
+        self.cache, tok, _ = _prefill(self.graphdef, self.state, self.cache,
+                                      *map(jnp.asarray, self._prefill_arrays(rows, length)))
+        n += 1
+    jax.block_until_ready(tok)
+    slots = self.config.num_slots
+    idle = np.full(slots, self.config.max_len, np.int32)
+    z, ones = jnp.zeros(slots, jnp.int32), jnp.ones(slots, jnp.float32)
+    for attend in self.config.buckets() if self.config.decode_buckets else [None]:
+      self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, jnp.asarray(idle),
+                                   z, z, ones, ones, z, attend_len=attend)
+      n += 1
+    jax.block_until_ready(tok)
+    return n
+
+  def _prefill_group(self, group: list[int], length: int) -> None:
+    """Prefills the admitted slots `group` (ascending length buckets, the last = length)."""
+    rows = self.config.prefill_rows_for(len(group), length)
+    slots, toks, pos, last, seeds, temps, top_p, top_k = self._prefill_arrays(rows, length)
+    for r, i in enumerate(group):
+      s = self.slots[i]
+      new = s.cached[s.reused:]
+      slots[r], last[r] = i, len(new) - 1
+      toks[r, :len(new)] = new
+      pos[r] = s.reused + np.arange(length, dtype=np.int32)
+      req = s.request
+      seeds[r], temps[r], top_p[r], top_k[r] = req.seed, req.temperature, req.top_p, req.top_k
+      self.metrics["prefill_tokens"] += len(new)
+      self.metrics["reused_prefix_tokens"] += s.reused
+      self.metrics["requests"] += 1
     t0 = time.perf_counter()
     self.cache, tok, logp = _prefill(
-        self.graphdef, self.state, self.cache, jnp.int32(i), jnp.asarray(toks),
-        jnp.asarray(pos), jnp.int32(len(new) - 1), jnp.int32(req.seed),
-        jnp.float32(req.temperature), jnp.float32(req.top_p), jnp.int32(req.top_k))
-    tok, logp = int(tok), float(logp)  # waits for the device
+        self.graphdef, self.state, self.cache, *map(jnp.asarray, (
+            slots, toks, pos, last, seeds, temps, top_p, top_k)))
+    tok, logp = np.asarray(tok), np.asarray(logp)  # waits for the device
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_calls"] += 1
-    s = self.slots[i]
-    s.request, s.future, s.cached, s.held_until = req, fut, ids, 0.0
-    s.out_ids, s.out_logps, s.reused, s.wait_s = [], [], reuse, wait_s
-    self.metrics["prefill_tokens"] += len(new)
-    self.metrics["reused_prefix_tokens"] += reuse
-    self.metrics["requests"] += 1
-    self._accept(i, tok, logp)
+    self.metrics["prefill_padded_tokens"] += rows * length
+    for r, i in enumerate(group):
+      self._accept(i, int(tok[r]), float(logp[r]))
 
   def _accept(self, i: int, tok: int, logp: float) -> None:
     s = self.slots[i]

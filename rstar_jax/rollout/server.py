@@ -567,6 +567,8 @@ def main(argv=None) -> None:
   p.add_argument("--num_slots", type=int, default=EngineConfig.num_slots)
   p.add_argument("--max_len", type=int, default=EngineConfig.max_len)
   p.add_argument("--min_prefill_bucket", type=int, default=EngineConfig.min_prefill_bucket)
+  p.add_argument("--prefill_batch_tokens", type=int, default=EngineConfig.prefill_batch_tokens,
+                 help="padded tokens one prefill call may carry (0: one request per call)")
   p.add_argument("--weight_version", default="default")
   p.add_argument("--compile_cache", default=os.environ.get("RSTAR_COMPILE_CACHE"),
                  help="JAX persistent compilation cache directory")
@@ -579,7 +581,8 @@ def main(argv=None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   try:
     cfg = EngineConfig(num_slots=args.num_slots, max_len=args.max_len,
-                       min_prefill_bucket=args.min_prefill_bucket)
+                       min_prefill_bucket=args.min_prefill_bucket,
+                       prefill_batch_tokens=args.prefill_batch_tokens)
     server = RolloutServer(args.hf_dir, cfg, weight_version=args.weight_version,
                            host=args.host, port=args.port)
   except ValueError as e:   # CheckpointError and bad engine sizes

@@ -60,6 +60,26 @@ def test_decode_length_buckets_change_nothing_but_the_work(model):
   assert max(len(r.input_ids) + len(x.output_ids) for r, x in zip(reqs, a)) > 16  # crossed buckets
 
 
+def test_batched_prefill_equals_one_request_per_call(model):
+  """Requests admitted together are prefilled in one call (rows padded to a power of
+  4, padding rows write nowhere): the same tokens and log-probs as one call each,
+  after a warm-up that ran every shape on padding rows only."""
+  reqs = _requests(n=11, seed=5)
+  batched = JaxEngine(model, EngineConfig(num_slots=7, max_len=64, prefill_batch_tokens=256))
+  shapes = batched.warm_up()
+  cfg = batched.config
+  assert shapes == sum(len(cfg.prefill_rows(n)) for n in cfg.buckets()) + len(cfg.buckets())
+  assert cfg.prefill_rows(16) == [1, 4, 16] and cfg.prefill_rows_for(5, 16) == 16
+  a = batched.generate_sync(reqs)
+  b = JaxEngine(model, EngineConfig(num_slots=7, max_len=64,
+                                    prefill_batch_tokens=0)).generate_sync(reqs)
+  assert batched.metrics["prefill_calls"] < len(reqs)  # several per call, with padding rows
+  assert batched.metrics["prefill_padded_tokens"] > batched.metrics["prefill_tokens"]
+  for r, x, y in zip(reqs, a, b):
+    assert x.output_ids == y.output_ids, r.request_id
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
 def test_sampler_logprobs_equal_trainer_logprobs(model):
   reqs = [r for r in _requests(6, seed=1)]
   for r in reqs:
