@@ -422,12 +422,16 @@ def bench_agent():
     with running_server(max_children=FLAGS.sandbox_children, pool_size=2) as url:
       rollout(url, 4, seed=1)          # warm-up: the sandbox pool, the HTTP client
       modes = {"continuous": [], "static": []}
+      engine_s = {m: [] for m in modes}  # per run: (decode s, decode steps, prefill s, calls)
       if FLAGS.static_baseline:
         # The same problems and seeds in both modes, alternating: load hits both.
         for _ in range(FLAGS.rounds):
           for mode in modes:
+            m0 = dict(engine.metrics)
             _, _, w, _ = rollout(url, FLAGS.trajectories, seed=2, static=mode == "static")
             modes[mode].append(w)
+            engine_s[mode].append(tuple(engine.metrics[k] - m0.get(k, 0) for k in (
+                "decode_s", "decode_steps", "prefill_s", "prefill_calls")))
       before = dict(engine.metrics)
       trajs, tools, wall, wrapped = rollout(url, FLAGS.trajectories, seed=2)
       after = dict(engine.metrics)
@@ -500,6 +504,15 @@ def bench_agent():
           f"{static['continuous_over_static']:.2f}x; the lengths allow at most "
           f"{static['decode_step_bound']:.2f}x (decode steps: static {static_steps}, "
           f"continuous {cont_steps}; {FLAGS.slots} slots)")
+    # Where each mode's engine time went (median run): continuous batching saves decode
+    # steps; prefill, which both modes pay, dilutes the ratio.
+    for m, runs in engine_s.items():
+      dec_s, steps, pre_s, pcalls = (statistics.median(r[j] for r in runs) for j in range(4))
+      static[f"engine_{m}"] = {"decode_s": dec_s, "decode_steps": steps, "prefill_s": pre_s,
+                               "prefill_calls": pcalls}
+      print(f"      {m:<10} engine: decode {dec_s:.2f} s in {steps:.0f} steps "
+            f"({1e3 * dec_s / max(steps, 1):.1f} ms each), prefill {pre_s:.2f} s in "
+            f"{pcalls:.0f} calls")
   return {"static_baseline": static, "trajectories": n, "wall_s": wall, "trajectories_per_s": n / wall,
           "tool_calls": calls, "tool_errors": errors, "tool_calls_per_s": calls / wall,
           "tool_latency_ms": lat.tolist(), "finish_reasons": reasons,
