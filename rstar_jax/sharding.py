@@ -42,6 +42,9 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
     ("cache_length", None),
+    # The log-prob head (`qwen3.chunked_logprobs` on a mesh): vocab-parallel.
+    ("head_batch", "data"),
+    ("head_vocab", ("fsdp", "tensor")),
 )
 
 
@@ -168,6 +171,17 @@ def use_mesh_rules(mesh: Mesh | None, rules=DEFAULT_RULES):
 def mesh_active() -> bool:
   """Whether code runs inside `use_mesh_rules` with a mesh (activations get sharded)."""
   return _CTX.get() is not None
+
+
+def logical_size(name: str) -> int:
+  """How many shards the active mesh's rules give logical axis `name` (1 off a mesh)."""
+  ctx = _CTX.get()
+  if ctx is None:
+    return 1
+  mesh, rules = ctx
+  entry = logical_to_spec((name,), rules)[0]
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

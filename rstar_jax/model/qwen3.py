@@ -299,7 +299,15 @@ class Qwen3(nnx.Module):
       size = cache["k"][0].shape[2]
       slots = jnp.arange(size if attend_len is None else min(attend_len, size))
       mask = slots[None, None, :] <= positions[:, :, None]
-    x = self.embed_tokens[...].astype(jnp.dtype(cfg.dtype))[tokens]
+    table = self.embed_tokens[...].astype(jnp.dtype(cfg.dtype))
+    if sharding.logical_size("vocab") > 1:
+      # Looked up from vocab shards, the rows land batch-sharded directly: from the
+      # parameter's own (vocab x embed) layout on a data x fsdp x tensor mesh, GSPMD
+      # fell back to replicating the lookup's output ("involuntary full
+      # rematerialization"). Not on an fsdp-only mesh (vocab unsplit), where the
+      # lookup's backward would then build a full-table gradient.
+      table = sharding.constrain(table, ("head_vocab", None))
+    x = table[tokens]
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
     graphdef, layer_state = nnx.split(self.layers)
@@ -387,6 +395,10 @@ def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, 
     # On a mesh, GSPMD partitions autodiff's output-projection gradient with less
     # memory than the hand-written one's (Qwen3-14B plan, fsdp 64: 22.4 vs 29.0 GB
     # per device); without one (CPU, one device) the hand-written backward is faster.
+    # Vocab-parallel: the projection is split on the vocabulary over fsdp x tensor,
+    # and each chunk's hidden states are gathered instead (a chunk of tokens is far
+    # smaller than the [H, V] projection an fsdp mesh would otherwise gather).
+    unembed = sharding.constrain(unembed, (None, "head_vocab"))
     one = jax.checkpoint(functools.partial(_autodiff_chunk_logprobs, unembed=unembed,
                                            with_entropy=return_entropy))
   else:
@@ -398,9 +410,9 @@ def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, 
   return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
 
 
-def _chunk_logits(hx, unembed):
+def _chunk_logits(hx, unembed, axes=("batch", "length", "act_vocab")):
   logits = jnp.einsum("bth,hv->btv", hx, unembed, preferred_element_type=jnp.float32)
-  return sharding.constrain(logits, ("batch", "length", "act_vocab"))
+  return sharding.constrain(logits, axes)
 
 
 def _onehot(z, tx):
@@ -420,7 +432,12 @@ def _logprob_entropy(z, tx, with_entropy):
 def _autodiff_chunk_logprobs(args, *, unembed, with_entropy):
   """`_chunk_logprobs` for autodiff (under jax.checkpoint: logits recomputed)."""
   hx, tx = args
-  return _logprob_entropy(_chunk_logits(hx, unembed), tx, with_entropy)[:2]
+  hx = sharding.constrain(hx, ("head_batch", "length", None))
+  tx = sharding.constrain(tx, ("head_batch", "length"))
+  z = _chunk_logits(hx, unembed, ("head_batch", "length", "head_vocab"))
+  lp, ent, _ = _logprob_entropy(z, tx, with_entropy)
+  return (sharding.constrain(lp, ("batch", "length")),
+          sharding.constrain(ent, ("batch", "length")))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
