@@ -3,7 +3,7 @@
 A fixed KV cache of `num_slots` sequences x `max_len` tokens. Each iteration of the
 engine loop
   1. admits queued requests into free slots, prefilling several in one jitted call
-     (rows padded to a power-of-two length bucket, their count to a power of two, so
+     (rows padded to a power-of-two length bucket, their count to a power of 4, so
      few shapes compile; at most `prefill_batch_tokens` padded tokens a call), and
   2. runs ONE jitted decode step for every active slot at once.
 A request that finishes (stop token, max_new_tokens, cache full) frees its slot at
@@ -58,7 +58,7 @@ class EngineConfig:
   # Requests admitted together are prefilled together: one call carries up to this
   # many padded tokens (rows x length bucket; a longer request goes alone), its rows
   # padded to a power of 4 (few shapes to compile). 0: one request per call. A burst
-  # of 64 prompts of 24-64 tokens: 1.7-2.2x faster than one call each at 256 (1024
+  # of 64 prompts of 24-64 tokens: 1.7-1.8x faster than one call each at 256 (1024
   # was no faster).
   prefill_batch_tokens: int = 256
 
