@@ -3,8 +3,9 @@ r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent ro
   python -m experiments.bench_rollout
 
 (a) Generated tokens/s at batch 64 of the same random Qwen3 (the `small` preset by
-    default: 4 layers, hidden 256): our JaxEngine (continuous batching, one jitted
-    prefill per request, one jitted decode step for all slots) versus
+    default: 4 layers, hidden 256): our JaxEngine (continuous batching, requests
+    admitted together prefilled in one jitted call, one jitted decode step for all
+    slots) versus
     `transformers.Qwen3ForCausalLM.generate()` on torch CPU, loaded from the directory
     our model was exported to with `hf_io.save_hf`. Both sample (temperature 1, no
     top-k / top-p), both get the same prompt lengths and produce exactly
@@ -66,7 +67,8 @@ flags.DEFINE_boolean("static_baseline", False, "(b) also time static batching (T
                      "alternating with the continuous runs")
 flags.DEFINE_boolean("unequal", False, "(b) very unequal lengths: per trajectory 1/4x-4x "
                      "--think_tokens and a last turn of 8-256 tokens (log-uniform)")
-flags.DEFINE_integer("prefill_batch_tokens", 1024, "(b) EngineConfig.prefill_batch_tokens")
+flags.DEFINE_integer("prefill_batch_tokens", 256,
+                     "(b) EngineConfig.prefill_batch_tokens (256: the engine's default)")
 flags.DEFINE_integer("rounds", 2, "(b) timed runs per mode with --static_baseline")
 flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")

@@ -365,8 +365,6 @@ class Qwen3(nnx.Module):
     return {"k": zeros(), "v": zeros()}
 
 
-CACHE_AXES = ("batch", "act_kv_heads", "cache_length", None)  # of each layer's k / v
-
 
 def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
                      chunk: int = 512, temperature: float = 1.0,

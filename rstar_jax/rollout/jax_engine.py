@@ -64,16 +64,13 @@ class EngineConfig:
 
   def buckets(self) -> list[int]:
     """Every value `length_bucket` can return, ascending."""
-    out, b = [], self.min_prefill_bucket
-    while b < self.max_len:
-      out.append(b)
-      b *= 2
-    return out + [self.max_len]
+    return sorted({self.length_bucket(1 << k) for k in range(self.max_len.bit_length() + 1)})
 
   def prefill_rows(self, length: int) -> list[int]:
-    """The row counts a prefill call of this length bucket may have (powers of 4)."""
+    """The row counts a prefill call of this length bucket may have (powers of 4, at
+    most num_slots)."""
     out = [1]
-    while out[-1] * 4 * length <= self.prefill_batch_tokens:
+    while out[-1] * 4 * length <= self.prefill_batch_tokens and out[-1] * 4 <= self.num_slots:
       out.append(out[-1] * 4)
     return out
 
@@ -116,15 +113,18 @@ class _Slot:
 def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temps, top_p, top_k,
              attend_len=None):
   """Prefills row r of `tokens` [P, T] into cache slot slots[r]; samples each row's
-  first token from its position last[r]. Padding rows name slot num_slots (their
-  cache reads are zeros, their writes are dropped)."""
+  first token from its position last[r]. Only the first `attend_len` positions of
+  the rows' slots are read and written back (every real token's position is below
+  it). Padding rows name slot num_slots (their reads are zeros, their writes are
+  dropped)."""
   model = nnx.merge(graphdef, state)
-  rows = jax.tree.map(lambda c: c.at[slots].get(mode="fill", fill_value=0), cache)
-  hidden, rows = model(tokens, positions, cache=rows, attend_len=attend_len)
+  n = attend_len or cache["k"][0].shape[2]
+  rows = jax.tree.map(lambda c: c.at[slots, :, :n].get(mode="fill", fill_value=0), cache)
+  hidden, rows = model(tokens, positions, cache=rows)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
   logits = model.logits(h_last)[:, 0]
   tok, logp = sampling.sample(logits, seeds, jnp.zeros_like(seeds), temps, top_p, top_k)
-  cache = jax.tree.map(lambda c, r: c.at[slots].set(r, mode="drop"), cache, rows)
+  cache = jax.tree.map(lambda c, r: c.at[slots, :, :n].set(r, mode="drop"), cache, rows)
   return cache, tok, logp
 
 
@@ -331,14 +331,24 @@ class JaxEngine:
     # exceed prefill_batch_tokens.
     bucket = lambda i: self.config.length_bucket(len(self.slots[i].cached) - self.slots[i].reused)
     admitted.sort(key=bucket)
-    group: list[int] = []
+    groups: list[list[int]] = [[]]
     for i in admitted:
-      if group and self.config.prefill_rows_for(len(group) + 1, bucket(i)) is None:
+      if groups[-1] and self.config.prefill_rows_for(len(groups[-1]) + 1, bucket(i)) is None:
+        groups.append([])
+      groups[-1].append(i)
+    groups = [g for g in groups if g]
+    for k, group in enumerate(groups):
+      try:
         self._prefill_group(group, bucket(group[-1]))
-        group = []
-      group.append(i)
-    if group:
-      self._prefill_group(group, bucket(group[-1]))
+      except BaseException as e:
+        # The slots of this and later groups hold no k/v: never decode them.
+        with self._lock:
+          for i in [i for g in groups[k:] for i in g]:
+            s = self.slots[i]
+            if s.future is not None and not s.future.done():
+              s.future.set_exception(e)
+            s.request, s.future, s.cached = None, None, []
+        raise
 
   def _prefill_arrays(self, rows: int, length: int) -> tuple[np.ndarray, ...]:
     """A prefill call's inputs, every row padding: no slot, writes nowhere."""
@@ -397,6 +407,7 @@ class JaxEngine:
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_calls"] += 1
     self.metrics["prefill_padded_tokens"] += rows * length
+    self.metrics["prefill_padding_rows"] += rows - len(group)
     for r, i in enumerate(group):
       self._accept(i, int(tok[r]), float(logp[r]))
 

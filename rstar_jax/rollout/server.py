@@ -219,7 +219,8 @@ class RolloutServer:
       return None
 
   def warmup(self) -> None:
-    """Compiles prefill and decode before the port opens."""
+    """Compiles the first prefill and decode shapes before the port opens (the others
+    compile when first met; `JaxEngine.warm_up()` would compile them all)."""
     self.engine.generate_sync([GenerationRequest(input_ids=[0], max_new_tokens=2,
                                                  request_id="warmup")])
 
