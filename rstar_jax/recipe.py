@@ -189,7 +189,10 @@ def check_workdir(cfg: RecipeConfig) -> str:
   if os.path.exists(path) and done:
     with open(path) as f:
       old = json.load(f)
-    ignore = ("workdir", "allow_config_change", "allow_random_init")
+    # How the job is launched, not what it computes: process 1 of a multi-process run
+    # compares against the config.json that process 0 may have just written (which
+    # says process_id 0), and a resumed run may use another coordinator or process count.
+    ignore = ("workdir", "allow_config_change", "allow_random_init", "distributed")
     changes = _diff({k: v for k, v in old.items() if k not in ignore},
                     {k: v for k, v in json.loads(text).items() if k not in ignore})
     if changes and not cfg.allow_config_change:

@@ -107,6 +107,26 @@ def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
   os.remove(os.path.join(workdir, "config_1.json"))
 
 
+def test_launch_settings_are_not_a_config_change(tmp_path):
+  """Process 1 of a multi-process run reads the config.json process 0 has just written
+  (process_id 0): that is the same run, not a changed config. (Issue 16's two-process
+  test hung when process 1 refused it and left process 0 waiting at the barrier.)"""
+  import dataclasses
+  from experiments.configs import toy
+  from rstar_jax import config_utils, recipe
+  c = toy.get_config("smoke")
+  c.workdir = str(tmp_path)
+  cfg = recipe.build_config(c)
+  recipe.check_workdir(cfg)
+  os.makedirs(tmp_path / "sft")
+  (tmp_path / "sft" / "DONE.json").write_text(json.dumps({"steps": 1}))
+  launch = dataclasses.replace(cfg.distributed, process_id=1, num_processes=2,
+                               coordinator_address="127.0.0.1:1234")
+  recipe.check_workdir(dataclasses.replace(cfg, distributed=launch))
+  with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
+    recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
+
+
 def test_rl_without_sft_refuses_a_random_model(tmp_path):
   out = _run(tmp_path, module="experiments.train_rl", check=False)
   assert out.returncode == 2
@@ -176,12 +196,9 @@ def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight
   assert "config error" not in log
 
 
-# Out of CI until a known hang is fixed: in 2 of ~8 fresh-clone CI runs process 1 left
-# `recipe.run` before the first barrier after start-up (once the coordination service
-# aborted process 0, once process 0 waited there while process 1 sat in jax's atexit
-# shutdown); its output was not captured either time. Run it with -m slow; a timeout
-# now prints both processes' output.
-@pytest.mark.slow
+# Back in CI: its intermittent hang was process 1 refusing the config.json process 0
+# had just written (process_id 0 -> 1 read as a changed config) and leaving process 0
+# at the tokenizer barrier; see test_launch_settings_are_not_a_config_change.
 def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, tmp_path):
   """Multi-process JAX (issue 16): stage 1 as two trainer processes of one job (one CPU
   device each, the params sharded fsdp=2 over both, gloo collectives). Process 0
