@@ -311,13 +311,13 @@ class Qwen3(nnx.Module):
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
     graphdef, layer_state = nnx.split(self.layers)
-    layer_at = lambda i: nnx.merge(graphdef, jax.tree.map(lambda a: a[i], layer_state))
     new_cache = None
     if cache is not None:
       # Inference: layers unrolled, each with its own cache buffer (module docstring).
       ks, vs = [], []
       for i, kv in enumerate(zip(cache["k"], cache["v"])):
-        x, (k_i, v_i) = layer_at(i)(x, positions, mask, cfg, kv=kv, write_index=positions)
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], layer_state))
+        x, (k_i, v_i) = layer(x, positions, mask, cfg, kv=kv, write_index=positions)
         ks.append(k_i)
         vs.append(v_i)
       new_cache = {"k": tuple(ks), "v": tuple(vs)}
@@ -363,7 +363,6 @@ class Qwen3(nnx.Module):
     dt = jnp.dtype(dtype or cfg.dtype)
     zeros = lambda: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_hidden_layers))
     return {"k": zeros(), "v": zeros()}
-
 
 
 def chunked_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,

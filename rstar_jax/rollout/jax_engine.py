@@ -331,12 +331,11 @@ class JaxEngine:
     # exceed prefill_batch_tokens.
     bucket = lambda i: self.config.length_bucket(len(self.slots[i].cached) - self.slots[i].reused)
     admitted.sort(key=bucket)
-    groups: list[list[int]] = [[]]
+    groups: list[list[int]] = []
     for i in admitted:
-      if groups[-1] and self.config.prefill_rows_for(len(groups[-1]) + 1, bucket(i)) is None:
+      if not groups or self.config.prefill_rows_for(len(groups[-1]) + 1, bucket(i)) is None:
         groups.append([])
       groups[-1].append(i)
-    groups = [g for g in groups if g]
     for k, group in enumerate(groups):
       try:
         self._prefill_group(group, bucket(group[-1]))
@@ -396,10 +395,10 @@ class JaxEngine:
       self.metrics["prefill_tokens"] += len(new)
       self.metrics["reused_prefix_tokens"] += s.reused
       self.metrics["requests"] += 1
-    t0 = time.perf_counter()
     attend = None
     if self.config.decode_buckets:  # every row's positions stay below it
       attend = self.config.length_bucket(max(self.slots[i].reused for i in group) + length)
+    t0 = time.perf_counter()
     self.cache, tok, logp = _prefill(
         self.graphdef, self.state, self.cache, *map(jnp.asarray, (
             slots, toks, pos, last, seeds, temps, top_p, top_k)), attend_len=attend)
