@@ -37,6 +37,45 @@ def filter_logits(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.
   return jnp.where(keep, logits, _NEG)
 
 
+def _block_size(vocab: int) -> int:
+  """A power of two near sqrt(vocab): the two cumulative sums below stay short."""
+  return 1 << max(3, vocab.bit_length() // 2)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+  """Index of the last positive entry along the last axis (x >= 0, one positive)."""
+  n = x.shape[-1]
+  return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
+
+
+def draw(weights: jax.Array, u: jax.Array) -> jax.Array:
+  """Inverse-CDF draw: row i picks j with probability weights[i, j] / sum(weights[i]).
+
+  weights [B, V] >= 0 with a positive entry per row, u [B] uniform in [0, 1).
+  One uniform per row instead of Gumbel-max's V: on CPU the V random numbers
+  (threefry) were most of a decode step's sampling time. The cumulative sum is
+  two-level (blocks, then within the chosen block) so that its float32 rounding
+  stays near sqrt(V) ulps of the row's mass, not V. A zero-weight entry is never
+  picked: rounding at the top end falls back to the last positive entry.
+  """
+  b, v = weights.shape
+  blk = _block_size(v)
+  nb = -(-v // blk)
+  w = jnp.pad(weights, ((0, 0), (0, nb * blk - v))).reshape(b, nb, blk)
+  block_mass = w.sum(-1)
+  cum = jnp.cumsum(block_mass, axis=-1)
+  t = u * cum[:, -1]
+  # The first block whose cumulative mass exceeds t has positive mass.
+  i = jnp.minimum(jnp.sum(cum <= t[:, None], axis=-1), _last_positive(block_mass))
+  before = jnp.take_along_axis(cum, i[:, None], -1)[:, 0] - jnp.take_along_axis(
+      block_mass, i[:, None], -1)[:, 0]
+  inside = jnp.take_along_axis(w, i[:, None, None], 1)[:, 0]
+  t_in = jnp.maximum(t - before, 0.0)
+  j = jnp.minimum(jnp.sum(jnp.cumsum(inside, axis=-1) <= t_in[:, None], axis=-1),
+                  _last_positive(inside))
+  return (i * blk + j).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, seeds: jax.Array, indices: jax.Array, temperature: jax.Array,
            top_p: jax.Array, top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row. Temperature 0 means greedy (argmax).
@@ -46,13 +85,17 @@ def sample(logits: jax.Array, seeds: jax.Array, indices: jax.Array, temperature:
   logits = logits.astype(jnp.float32)
   greedy = temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  logp_all = jax.nn.log_softmax(scaled, axis=-1)
-  # Sorting the vocabulary is most of a decode step's sampling cost: skip it when no
-  # row asks for top-p / top-k.
-  filtered = jax.lax.cond(jnp.any(top_p < 1.0) | jnp.any(top_k > 0),
-                          lambda z: filter_logits(z, top_p, top_k), lambda z: z, scaled)
+  top = jnp.max(scaled, axis=-1, keepdims=True)
+  weights = jnp.exp(scaled - top)
+  log_norm = top[:, 0] + jnp.log(jnp.sum(weights, axis=-1))
+  # Sorting the vocabulary is most of the filtering's cost: skip it when no row asks
+  # for top-p / top-k. The row's maximum is always kept, so `top` still normalises.
+  weights = jax.lax.cond(
+      jnp.any(top_p < 1.0) | jnp.any(top_k > 0),
+      lambda w: jnp.where(filter_logits(scaled, top_p, top_k) > _NEG / 2, w, 0.0),
+      lambda w: w, weights)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, indices)
-  drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-  logp = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+  u = jax.vmap(jax.random.uniform)(keys)
+  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), draw(weights, u)).astype(jnp.int32)
+  logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - log_norm
   return tokens, logp

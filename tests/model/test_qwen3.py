@@ -277,10 +277,10 @@ def test_blockwise_attention_matches_xla_in_logits_and_gradients(chunk):
 
 
 def test_cached_attention_matches_the_einsum_path():
-  """Attention over the [B, Nkv, S, D] cache - the decode step's multiply-and-reduce
-  (one query) and the prefill's einsums (several) - against `_attend` on the
-  sequence-major layout (GQA groups of 3, rows that see 1..S slots), in fp32 and
-  with a bf16 cache."""
+  """Attention over the cache's layout (k [B, Nkv, D, S], v [B, Nkv, S, D]) - the
+  decode step's multiply-and-reduce (one query) and the prefill's einsums (several) -
+  against `_attend` on the sequence-major layout (GQA groups of 3, rows that see
+  1..S slots), in fp32 and with a bf16 cache."""
   rs = np.random.RandomState(4)
   b, s, nkv, g, d = 5, 37, 2, 3, 16
   k, v = (jnp.asarray(rs.randn(b, s, nkv, d).astype(np.float32)) for _ in range(2))
@@ -289,12 +289,12 @@ def test_cached_attention_matches_the_einsum_path():
     pos = jnp.asarray([0, 5, 17, 36 - t + 1, 20])[:, None] + jnp.arange(t)
     mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
     ref = qwen3._attend(q, k, v, mask)
-    got = qwen3.cached_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask)
+    got = qwen3.cached_attention(q, k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), mask)
     np.testing.assert_allclose(got, ref, atol=1e-6, err_msg=f"t={t}")
   q = q[:, :1]
   mask = mask[:, :1]
   kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-  got = qwen3.cached_attention(q, kb.swapaxes(1, 2), vb.swapaxes(1, 2), mask)
+  got = qwen3.cached_attention(q, kb.transpose(0, 2, 3, 1), vb.swapaxes(1, 2), mask)
   ref_b = qwen3._attend(q, kb.astype(jnp.float32), vb.astype(jnp.float32), mask)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, ref_b, atol=1e-5)  # accumulates in fp32
