@@ -94,8 +94,11 @@ def sample(logits: jax.Array, seeds: jax.Array, indices: jax.Array, temperature:
       jnp.any(top_p < 1.0) | jnp.any(top_k > 0),
       lambda w: jnp.where(filter_logits(scaled, top_p, top_k) > _NEG / 2, w, 0.0),
       lambda w: w, weights)
+  # Greedy rows draw from their maxima (argmax up to ties, which float logits do not
+  # have): no separate argmax pass over [B, V].
+  weights = jnp.where(greedy[:, None], (scaled >= top).astype(weights.dtype), weights)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, indices)
   u = jax.vmap(jax.random.uniform)(keys)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), draw(weights, u)).astype(jnp.int32)
+  tokens = draw(weights, u)
   logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - log_norm
   return tokens, logp
