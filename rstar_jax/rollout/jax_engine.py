@@ -385,10 +385,11 @@ class JaxEngine:
     jax.block_until_ready(tok)
     slots = self.config.num_slots
     idle = np.full(slots, self.config.max_len, np.int32)
-    z, ones = jnp.zeros(slots, jnp.int32), jnp.ones(slots, jnp.float32)
+    # numpy, as `_decode_step` passes them: jax arrays would be another cache entry.
+    z, ones = np.zeros(slots, np.int32), np.ones(slots, np.float32)
     for attend in sorted({self.config.decode_attend(b) for b in self.config.buckets()},
                          key=lambda a: a or 0):
-      self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, jnp.asarray(idle),
+      self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
                                    z, z, ones, ones, z, attend_len=attend)
       n += 1
     jax.block_until_ready(tok)
