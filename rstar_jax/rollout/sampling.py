@@ -42,6 +42,11 @@ def _block_size(vocab: int) -> int:
   return 1 << max(3, vocab.bit_length() // 2)
 
 
+def _first(hit: jax.Array, fallback: jax.Array) -> jax.Array:
+  """Index of the first True along the last axis, `fallback` where there is none."""
+  return jnp.where(hit.any(axis=-1), jnp.argmax(hit, axis=-1), fallback)
+
+
 def _last_positive(x: jax.Array) -> jax.Array:
   """Index of the last positive entry along the last axis (x >= 0, one positive)."""
   n = x.shape[-1]
@@ -55,8 +60,10 @@ def draw(weights: jax.Array, u: jax.Array) -> jax.Array:
   One uniform per row instead of Gumbel-max's V: on CPU the V random numbers
   (threefry) were most of a decode step's sampling time. The cumulative sum is
   two-level (blocks, then within the chosen block) so that its float32 rounding
-  stays near sqrt(V) ulps of the row's mass, not V. A zero-weight entry is never
-  picked: rounding at the top end falls back to the last positive entry.
+  stays near sqrt(V) ulps of the row's mass, not V. XLA's cumsum is not exact (on
+  long axes it can step across zero entries and even go down), so a position is the
+  first POSITIVE entry whose running sum passes the target, and a zero-weight entry
+  is never picked; rounding past the end falls back to the last positive entry.
   """
   b, v = weights.shape
   blk = _block_size(v)
@@ -65,14 +72,13 @@ def draw(weights: jax.Array, u: jax.Array) -> jax.Array:
   block_mass = w.sum(-1)
   cum = jnp.cumsum(block_mass, axis=-1)
   t = u * cum[:, -1]
-  # The first block whose cumulative mass exceeds t has positive mass.
-  i = jnp.minimum(jnp.sum(cum <= t[:, None], axis=-1), _last_positive(block_mass))
+  i = _first((cum > t[:, None]) & (block_mass > 0), _last_positive(block_mass))
   before = jnp.take_along_axis(cum, i[:, None], -1)[:, 0] - jnp.take_along_axis(
       block_mass, i[:, None], -1)[:, 0]
   inside = jnp.take_along_axis(w, i[:, None, None], 1)[:, 0]
   t_in = jnp.maximum(t - before, 0.0)
-  j = jnp.minimum(jnp.sum(jnp.cumsum(inside, axis=-1) <= t_in[:, None], axis=-1),
-                  _last_positive(inside))
+  j = _first((jnp.cumsum(inside, axis=-1) > t_in[:, None]) & (inside > 0),
+             _last_positive(inside))
   return (i * blk + j).astype(jnp.int32)
 
 
@@ -94,8 +100,9 @@ def sample(logits: jax.Array, seeds: jax.Array, indices: jax.Array, temperature:
       jnp.any(top_p < 1.0) | jnp.any(top_k > 0),
       lambda w: jnp.where(filter_logits(scaled, top_p, top_k) > _NEG / 2, w, 0.0),
       lambda w: w, weights)
-  # Greedy rows draw from their maxima (argmax up to ties, which float logits do not
-  # have): no separate argmax pass over [B, V].
+  # Greedy rows draw from their maxima: no separate argmax pass over [B, V]. Tied
+  # maxima (identical unembedding rows) are picked by the row's uniform, not the
+  # lowest index as argmax would.
   weights = jnp.where(greedy[:, None], (scaled >= top).astype(weights.dtype), weights)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, indices)
   u = jax.vmap(jax.random.uniform)(keys)

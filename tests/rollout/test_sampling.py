@@ -37,6 +37,37 @@ def test_draw_inverts_the_cumulative_mass(v):
   assert tok[0] == np.flatnonzero(w)[0]   # u = 0: the first positive token, not a zero
 
 
+def test_draw_never_picks_zero_weight_where_the_cumulative_sum_is_inexact():
+  """At Qwen3's vocabulary (297 blocks of 512) XLA's cumsum can rise across a zero
+  block; targets placed exactly in such steps must still land on positive weight."""
+  v, rows = 151936, 64
+  rng = np.random.RandomState(7)
+  blk = sampling._block_size(v)
+  w = (rng.rand(rows, v) * 10.0 ** rng.randint(-6, 1, (rows, v))).astype(np.float32)
+  nb = -(-v // blk)
+  zero_blocks = rng.rand(rows, nb) < 0.4
+  w = np.where(np.repeat(zero_blocks, blk, axis=1)[:, :v], 0.0, w).astype(np.float32)
+  # The block level as `draw` computes it, to find where its running sum moves on a
+  # zero block (or within one: the last positive entry before it, rounding).
+  padded = np.pad(w, ((0, 0), (0, nb * blk - v))).reshape(rows, nb, blk)
+  mass = np.asarray(jnp.asarray(padded).sum(-1))
+  cum = np.asarray(jnp.cumsum(jnp.asarray(mass), axis=-1))
+  u = rng.rand(rows).astype(np.float32)
+  for r in range(rows):
+    steps = np.flatnonzero((mass[r, 1:] == 0) & (cum[r, 1:] != cum[r, :-1])) + 1
+    if len(steps):
+      k = steps[0]
+      u[r] = np.float32(0.5 * (cum[r, k - 1] + cum[r, k]) / cum[r, -1])
+  tok = np.asarray(sampling.draw(jnp.asarray(w), jnp.asarray(u)))
+  assert np.all(w[np.arange(rows), tok] > 0), "a zero-weight token was drawn"
+  c = np.cumsum(w.astype(np.float64), axis=1)
+  target = u.astype(np.float64) * c[:, -1]
+  lo = c[np.arange(rows), tok] - w[np.arange(rows), tok]
+  hi = c[np.arange(rows), tok]
+  slack = 1e-4 * c[:, -1]
+  assert np.all((target >= lo - slack) & (target <= hi + slack))
+
+
 def test_sample_frequencies_follow_softmax_and_respect_the_filters():
   v, n = 50, 40000
   rng = np.random.RandomState(0)
