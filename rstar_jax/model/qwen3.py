@@ -364,15 +364,16 @@ class Qwen3(nnx.Module):
     """Zeros: per layer, k [batch, kv_heads, head_dim, max_len] and v [batch, kv_heads,
     max_len, head_dim] (module docstring)."""
     cfg = self.cfg
-    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    nkv, d = cfg.num_key_value_heads, cfg.head_dim
     dt = jnp.dtype(dtype or cfg.dtype)
     zeros = lambda shape: tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_hidden_layers))
-    return {"k": zeros(shape[:2] + shape[:1:-1]), "v": zeros(shape)}
+    return {"k": zeros((batch, nkv, d, max_len)), "v": zeros((batch, nkv, max_len, d))}
 
 
-def cache_rows(cache: Cache, slots: jax.Array, n: int) -> Cache:
-  """The first n positions of cache rows `slots` (a copy; slots past the batch read
-  zeros): a cache of len(slots) rows to run a call on."""
+def cache_rows(cache: Cache, slots: jax.Array, n: int | None = None) -> Cache:
+  """The first n positions (default: all) of cache rows `slots` (a copy; slots past
+  the batch read zeros): a cache of len(slots) rows to run a call on."""
+  n = n or cache["v"][0].shape[2]
   return {"k": tuple(c.at[slots, :, :, :n].get(mode="fill", fill_value=0) for c in cache["k"]),
           "v": tuple(c.at[slots, :, :n].get(mode="fill", fill_value=0) for c in cache["v"])}
 
@@ -381,10 +382,9 @@ def set_cache_rows(cache: Cache, slots: jax.Array, rows: Cache) -> Cache:
   """`cache` with `rows` (from `cache_rows`, n positions each) written back at `slots`
   (slots past the batch are dropped)."""
   n = rows["v"][0].shape[2]
-  put = lambda c, r, idx: c.at[idx].set(r, mode="drop")
-  return {"k": tuple(put(c, r, (slots, slice(None), slice(None), slice(None, n)))
+  return {"k": tuple(c.at[slots, :, :, :n].set(r, mode="drop")
                      for c, r in zip(cache["k"], rows["k"])),
-          "v": tuple(put(c, r, (slots, slice(None), slice(None, n)))
+          "v": tuple(c.at[slots, :, :n].set(r, mode="drop")
                      for c, r in zip(cache["v"], rows["v"]))}
 
 

@@ -132,7 +132,7 @@ def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temp
   it). Padding rows name slot num_slots (their reads are zeros, their writes are
   dropped)."""
   model = nnx.merge(graphdef, state)
-  rows = qwen3.cache_rows(cache, slots, attend_len or cache["v"][0].shape[2])
+  rows = qwen3.cache_rows(cache, slots, attend_len)
   hidden, rows = model(tokens, positions, cache=rows)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
   logits = model.logits(h_last)[:, 0]
