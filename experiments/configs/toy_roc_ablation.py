@@ -3,7 +3,7 @@ r"""python -m experiments.sweep --config experiments/configs/toy_roc_ablation.py
 The RoC ablation on the toy task (the report's Fig. 4 at toy scale): from one SFT model,
 RL with GRPO-RoC against plain GRPO at the same compute, x 3 seeds.
 
-First make the SFT model once (the toy recipe's SFT stage, ~9 min on 2 cores):
+First make the SFT model once (the toy recipe's SFT stage, ~8 min on 2 cores):
   python -m experiments.recipe --config experiments/configs/toy.py \
       --config.workdir=/tmp/rstar_toy --stages=sft
 then run the sweep above (`--workers 2` on a machine with 4+ cores). Every point starts
