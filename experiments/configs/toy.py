@@ -46,7 +46,7 @@ def get_config(variant: str = ""):
   c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
                 engine=dict(num_slots=64, max_len=384))
 
-  # ~2800 steps of 12 x 320 packed tokens (~7.5 min on 2 cores). 10,000 distinct traces
+  # ~2800 steps of 12 x 320 packed tokens (~8 min on 2 cores). 10,000 distinct traces
   # (not 4,000 seen more often): every number chunk is a rare token, and copying must
   # generalise to chunks it has hardly seen. The traces run up to 258 tokens (median 150):
   # rows of 320 pack them 92% full, rows of 288 only 76% (two median traces do not
