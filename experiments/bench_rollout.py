@@ -74,8 +74,14 @@ flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
                      "prefix of the slots (EngineConfig.decode_buckets)")
+flags.DEFINE_integer("decode_steps", 0, "EngineConfig.decode_steps, tokens per decode call "
+                     "(0: the engine's default)")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
+
+
+def _steps() -> dict:
+  return {"decode_steps": FLAGS.decode_steps} if FLAGS.decode_steps else {}
 
 
 class JitTimer:
@@ -152,9 +158,12 @@ def bench_generate():
   def prompts():
     return rng.randint(0, cfg.vocab_size, (b, p))
 
+  ecfg = EngineConfig(num_slots=b, max_len=max_len, decode_buckets=FLAGS.decode_buckets,
+                      **_steps())
+  k = ecfg.decode_steps
+
   def run_jax(tokens, seed):
-    engine = JaxEngine(model, EngineConfig(num_slots=b, max_len=max_len,
-                                           decode_buckets=FLAGS.decode_buckets))
+    engine = JaxEngine(model, ecfg)
     reqs = [GenerationRequest(input_ids=row.tolist(), max_new_tokens=n, temperature=1.0,
                               top_p=1.0, top_k=0, seed=seed * 1000 + i)
             for i, row in enumerate(tokens)]
@@ -207,11 +216,11 @@ def bench_generate():
   total = sum(times["jax"])
   host = total - secs["_prefill"] - secs["_decode"]
   reps = FLAGS.repeats
-  each = {k: 1e3 * secs[k] / max(calls[k], 1) for k in secs}
+  each = {f: 1e3 * secs[f] / max(calls[f], 1) for f in secs}
   print(f"    JaxEngine profile (per run, mean of {reps}): prefill {secs['_prefill'] / reps:.3f} s "
         f"in {calls['_prefill'] // reps} calls ({each['_prefill']:.2f} ms each), "
-        f"decode {secs['_decode'] / reps:.3f} s in {calls['_decode'] // reps} steps "
-        f"({each['_decode']:.2f} ms each), host Python "
+        f"decode {secs['_decode'] / reps:.3f} s in {calls['_decode'] // reps} calls of {k} "
+        f"steps ({each['_decode'] / k:.2f} ms per step), host Python "
         f"{host / reps:.3f} s ({100 * host / total:.0f}%)")
   print(f"    torch per generated position: {1e3 * med['torch'] / n:.2f} ms for the whole batch")
   # Roofline of one decode step (b rows): useful FLOPs (every weight once per row, the
@@ -225,14 +234,13 @@ def bench_generate():
   filled = p + n / 2
   attn = 4 * b * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * filled
   step_flops = 2 * b * dense + attn
-  if FLAGS.decode_buckets:   # step j attends at length p + j + 1
-    ecfg = EngineConfig(num_slots=b, max_len=max_len)
-    read = np.mean([ecfg.decode_attend(p + j + 1) or max_len for j in range(n)])
+  if FLAGS.decode_buckets:   # a call from step j0 attends at length p + j0 + k
+    read = np.mean([ecfg.decode_attend(p + j // k * k + k) or max_len for j in range(n)])
   else:
     read = max_len
   kv_bytes = b * read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
   step_bytes = 4 * cfg.num_params + kv_bytes
-  step_s = secs["_decode"] / max(calls["_decode"], 1)
+  step_s = secs["_decode"] / max(calls["_decode"] * k, 1)
   decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s,
                  "flops_per_step": step_flops, "bytes_per_step": step_bytes,
                  "gflops": step_flops / step_s / 1e9, "gbs": step_bytes / step_s / 1e9}
@@ -259,7 +267,7 @@ def bench_generate():
           "num_params": cfg.num_params, "wall_s": times, "jax_first_run_s": first_jax,
           "tokens_per_s": {k: ntok / med[k] for k in med},
           "ratio_jax_over_torch": med["torch"] / med["jax"], "max_logit_diff": logit_diff,
-          "profile_s": secs, "profile_calls": calls, "host_python_s": host}
+          "profile_s": secs, "profile_calls": calls, "host_python_s": host, "decode_steps": k}
 
 
 # --- (b) multi-turn rollouts with the sandbox ------------------------------------------------
@@ -390,7 +398,7 @@ def bench_agent():
   model = qwen3.create_model(cfg, seed=1)
   ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len,
                       prefix_grace_s=FLAGS.prefix_grace_s,
-                      prefill_batch_tokens=FLAGS.prefill_batch_tokens)
+                      prefill_batch_tokens=FLAGS.prefill_batch_tokens, **_steps())
   engine = JaxEngine(model, ecfg)
   acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)
 

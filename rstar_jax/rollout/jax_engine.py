@@ -63,6 +63,13 @@ class EngineConfig:
   # of 64 prompts of 24-64 tokens: 1.7-1.8x faster than one call each at 256 (1024
   # was no faster).
   prefill_batch_tokens: int = 256
+  # Tokens each row samples per decode call: the steps are unrolled in one compiled
+  # call, so each layer's weights are sliced out of the stacked arrays once for all of
+  # them and the host is reached once. A row that stops (stop token, length) part-way
+  # wastes the call's remaining steps and is seen that many steps later; queued
+  # requests are admitted between calls. Decode step at 64 slots x 208, `small`
+  # preset: 4.95 -> 4.50 ms at 4 (1 -> 4), 4.26 at 8; the tokens are the same.
+  decode_steps: int = 4
 
   def buckets(self) -> list[int]:
     """Every value `length_bucket` can return, ascending."""
@@ -107,6 +114,8 @@ class EngineConfig:
       raise ValueError(f"EngineConfig: num_slots, max_len, min_prefill_bucket must be "
                        f"positive (got {self.num_slots}, {self.max_len}, "
                        f"{self.min_prefill_bucket})")
+    if not 1 <= self.decode_steps <= 64:
+      raise ValueError(f"EngineConfig.decode_steps must be in [1, 64], got {self.decode_steps}")
 
 
 @dataclasses.dataclass
@@ -141,14 +150,26 @@ def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temp
   return cache, tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "steps"),
+                   donate_argnames=("cache",))
 def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
-            attend_len=None):
+            attend_len=None, steps=1):
+  """`steps` decode steps: step j feeds row r the token step j - 1 sampled (step 0:
+  tokens[r]) at positions[r] + j and draws with index indices[r] + j, so the tokens
+  equal `steps` calls of one step. Returns the cache and tokens, log-probs [B, steps].
+  Unrolled, not a loop: XLA then slices each layer's weights out of the stacked
+  arrays once for all steps (one copy per call instead of per step). Positions past
+  the cache end (idle rows, rows past their stop) write nowhere."""
   model = nnx.merge(graphdef, state)
-  hidden, cache = model(tokens[:, None], positions[:, None], cache=cache, attend_len=attend_len)
-  logits = model.logits(hidden)[:, 0]
-  tok, logp = sampling.sample(logits, seeds, indices, temps, top_p, top_k)
-  return cache, tok, logp
+  tok, toks, logps = tokens, [], []
+  for j in range(steps):
+    hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
+                          attend_len=attend_len)
+    logits = model.logits(hidden)[:, 0]
+    tok, logp = sampling.sample(logits, seeds, indices + j, temps, top_p, top_k)
+    toks.append(tok)
+    logps.append(logp)
+  return cache, jnp.stack(toks, 1), jnp.stack(logps, 1)
 
 
 class JaxEngine:
@@ -390,7 +411,8 @@ class JaxEngine:
     for attend in sorted({self.config.decode_attend(b) for b in self.config.buckets()},
                          key=lambda a: a or 0):
       self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
-                                   z, z, ones, ones, z, attend_len=attend)
+                                   z, z, ones, ones, z, attend_len=attend,
+                                   steps=self.config.decode_steps)
       n += 1
     jax.block_until_ready(tok)
     return n
@@ -470,17 +492,27 @@ class JaxEngine:
       toks[i], pos[i] = s.next_token, len(s.cached)
       seeds[i], idx[i] = s.request.seed, len(s.out_ids)
       temps[i], top_p[i], top_k[i] = s.request.temperature, s.request.top_p, s.request.top_k
-    attend = self.config.decode_attend(int(max(pos[i] for i in active)) + 1) if active else None
+    steps = self.config.decode_steps
+    # The last step's positions are read too (a row past max_len writes nowhere).
+    attend = (self.config.decode_attend(int(max(pos[i] for i in active)) + steps)
+              if active else None)
     t0 = time.perf_counter()
     self.cache, out_tok, out_logp = _decode(
         # numpy in: jit moves them in its C++ path (jnp.asarray dispatched an op each,
         # ~0.4 ms of host time per step at 64 slots).
         self.graphdef, self.state, self.cache, toks, pos, seeds, idx, temps, top_p, top_k,
-        attend_len=attend)
-    out_tok, out_logp = np.asarray(out_tok), np.asarray(out_logp)
+        attend_len=attend, steps=steps)
+    out_tok, out_logp = np.asarray(out_tok).tolist(), np.asarray(out_logp).tolist()
     self.metrics["decode_s"] += time.perf_counter() - t0
-    self.metrics["decode_steps"] += 1
-    self.metrics["active_slot_steps"] += len(active)
+    self.metrics["decode_calls"] += 1
+    self.metrics["decode_steps"] += steps
     for i in active:
-      self.slots[i].cached.append(int(toks[i]))
-      self._accept(i, int(out_tok[i]), float(out_logp[i]))
+      s = self.slots[i]
+      req, fed = s.request, int(toks[i])
+      for j in range(steps):  # until the row's request ends; later steps are discarded
+        s.cached.append(fed)
+        self.metrics["active_slot_steps"] += 1
+        fed = out_tok[i][j]
+        self._accept(i, fed, out_logp[i][j])
+        if s.request is not req:
+          break

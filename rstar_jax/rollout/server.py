@@ -568,6 +568,8 @@ def main(argv=None) -> None:
   p.add_argument("--num_slots", type=int, default=EngineConfig.num_slots)
   p.add_argument("--max_len", type=int, default=EngineConfig.max_len)
   p.add_argument("--min_prefill_bucket", type=int, default=EngineConfig.min_prefill_bucket)
+  p.add_argument("--decode_steps", type=int, default=EngineConfig.decode_steps,
+                 help="tokens each row samples per decode call (EngineConfig.decode_steps)")
   p.add_argument("--prefill_batch_tokens", type=int, default=EngineConfig.prefill_batch_tokens,
                  help="padded tokens one prefill call may carry (0: one request per call)")
   p.add_argument("--weight_version", default="default")
@@ -583,7 +585,8 @@ def main(argv=None) -> None:
   try:
     cfg = EngineConfig(num_slots=args.num_slots, max_len=args.max_len,
                        min_prefill_bucket=args.min_prefill_bucket,
-                       prefill_batch_tokens=args.prefill_batch_tokens)
+                       prefill_batch_tokens=args.prefill_batch_tokens,
+                       decode_steps=args.decode_steps)
     server = RolloutServer(args.hf_dir, cfg, weight_version=args.weight_version,
                            host=args.host, port=args.port)
   except ValueError as e:   # CheckpointError and bad engine sizes
