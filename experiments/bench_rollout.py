@@ -74,8 +74,8 @@ flags.DEFINE_boolean("skip_a", False, "skip part (a)")
 flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
                      "prefix of the slots (EngineConfig.decode_buckets)")
-flags.DEFINE_integer("decode_steps", 0, "EngineConfig.decode_steps, tokens per decode call "
-                     "(0: the engine's default)")
+flags.DEFINE_integer("decode_steps", 4, "EngineConfig.decode_steps: tokens per decode call "
+                     "while no request waits (0: the engine's default, 1)")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 

@@ -63,13 +63,15 @@ class EngineConfig:
   # of 64 prompts of 24-64 tokens: 1.7-1.8x faster than one call each at 256 (1024
   # was no faster).
   prefill_batch_tokens: int = 256
-  # Tokens each row samples per decode call: the steps are unrolled in one compiled
-  # call, so each layer's weights are sliced out of the stacked arrays once for all of
-  # them and the host is reached once. A row that stops (stop token, length) part-way
-  # wastes the call's remaining steps and is seen that many steps later; queued
-  # requests are admitted between calls. Decode step at 64 slots x 208, `small`
-  # preset: 4.95 -> 4.50 ms at 4 (1 -> 4), 4.26 at 8; the tokens are the same.
-  decode_steps: int = 4
+  # Tokens each row samples per decode call while no request waits for a slot (one
+  # step a call while one does, so a freed slot is refilled at once), as SGLang's
+  # num_continuous_decode_steps: the steps are unrolled in one compiled call, so each
+  # layer's weights are sliced out of the stacked arrays once for all of them and the
+  # host is reached once; the tokens are the same as one step a call. A row that stops
+  # part-way wastes the call's remaining steps. Long generations gain (64 slots x 208,
+  # `small` preset: 4.95 -> 4.50 ms a step at 4, 4.26 at 8); the toy recipe's short
+  # agent turns did not (RL steps no faster, a second compile per bucket), hence 1.
+  decode_steps: int = 1
 
   def buckets(self) -> list[int]:
     """Every value `length_bucket` can return, ascending."""
@@ -410,10 +412,10 @@ class JaxEngine:
     z, ones = np.zeros(slots, np.int32), np.ones(slots, np.float32)
     for attend in sorted({self.config.decode_attend(b) for b in self.config.buckets()},
                          key=lambda a: a or 0):
-      self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
-                                   z, z, ones, ones, z, attend_len=attend,
-                                   steps=self.config.decode_steps)
-      n += 1
+      for steps in sorted({1, self.config.decode_steps}):
+        self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
+                                     z, z, ones, ones, z, attend_len=attend, steps=steps)
+        n += 1
     jax.block_until_ready(tok)
     return n
 
@@ -492,7 +494,8 @@ class JaxEngine:
       toks[i], pos[i] = s.next_token, len(s.cached)
       seeds[i], idx[i] = s.request.seed, len(s.out_ids)
       temps[i], top_p[i], top_k[i] = s.request.temperature, s.request.top_p, s.request.top_k
-    steps = self.config.decode_steps
+    # While requests wait for a slot, one step: a row that ends frees its slot at once.
+    steps = 1 if self.queue else self.config.decode_steps
     # The last step's positions are read too (a row past max_len writes nowhere).
     attend = (self.config.decode_attend(int(max(pos[i] for i in active)) + steps)
               if active else None)

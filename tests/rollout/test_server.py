@@ -266,12 +266,11 @@ def test_engine_abort_of_running_and_queued_requests(served):
                                          request_id="run"))
   queued = eng.submit(GenerationRequest(input_ids=[3, 4], max_new_tokens=30, seed=2,
                                         request_id="wait"))
-  eng.step()                      # prefill + one decode call, "wait" queued
+  eng.step()                      # prefill + one decode step: 2 tokens, "wait" queued
   assert not running.done() and not queued.done()
   assert eng.abort("wait") and eng.abort("run") and not eng.abort("run")
   r, q = running.result(0), queued.result(0)
-  n = 1 + eng.config.decode_steps  # the prefill's token, then one per decode step
-  assert (r.finish_reason, len(r.output_ids), len(r.logprobs)) == ("abort", n, n)
+  assert (r.finish_reason, len(r.output_ids), len(r.logprobs)) == ("abort", 2, 2)
   assert (q.finish_reason, q.output_ids) == ("abort", [])
   assert eng.num_active() == 0 and not eng.queue
   # The freed slot serves the next request normally.
