@@ -5,7 +5,8 @@ engine loop
   1. admits queued requests into free slots, prefilling several in one jitted call
      (rows padded to a power-of-two length bucket, their count to a power of 4, so
      few shapes compile; at most `prefill_batch_tokens` padded tokens a call), and
-  2. runs ONE jitted decode step for every active slot at once.
+  2. runs one jitted decode call for every active slot at once: one step, or
+     `decode_steps` steps unrolled while no request waits for a slot.
 A request that finishes (stop token, max_new_tokens, cache full) frees its slot at
 once, and the next queued request takes it at the next iteration: a trajectory that
 is waiting on a tool call holds no slot and delays no one.

@@ -61,29 +61,57 @@ def test_decode_length_buckets_change_nothing_but_the_work(model):
   assert max(len(r.input_ids) + len(x.output_ids) for r, x in zip(reqs, a)) > 16  # crossed buckets
 
 
+def _stop_and_resume_workload(engine):
+  """Requests that stop on stop tokens part-way, a second turn extending each (prefix
+  reuse on slots whose cache holds discarded steps past the first turn), then more."""
+  rng = np.random.RandomState(7)
+  first = [GenerationRequest(
+      input_ids=rng.randint(0, 101, rng.randint(3, 30)).tolist(),
+      max_new_tokens=int(rng.randint(5, 50)), stop_token_ids=(7, 11, 13, 17), continue_ids=(13,),
+      seed=i, temperature=[1.0, 0.7, 0.0][i % 3], request_id=f"a{i}") for i in range(12)]
+  outs = engine.generate_sync(first[:4])
+  second = [GenerationRequest(input_ids=r.input_ids + o.output_ids + [5, 6], max_new_tokens=20,
+                              stop_token_ids=(7, 11), seed=100 + k, request_id=f"b{k}")
+            for k, (r, o) in enumerate(zip(first, outs))]
+  return outs + engine.generate_sync(second) + engine.generate_sync(first[4:])
+
+
 def test_several_decode_steps_per_call_change_nothing_but_the_calls(model):
   """decode_steps > 1 unrolls that many steps in one call while no request waits for
   a slot (one step a call while one does): the same tokens and log-probs as one step
   a call, with rows stopping part-way through a call (stop tokens, max_new_tokens,
-  the cache end at max_len 32)."""
+  the cache end at max_len 32), decode length buckets (max_len 96) and second turns
+  reusing the prefix of a slot whose cache holds discarded steps."""
   reqs = _requests(n=12, seed=4)
-  for n_req in (4, 12):  # 4: never a queue; 12 through 4 slots: a queue, then none
+  for case in ("cache end, no queue", "cache end, queue", "buckets, stops, resumes"):
     outs, metrics = {}, {}
     for steps in (1, 3, 5):
-      eng = JaxEngine(model, EngineConfig(num_slots=4, max_len=32, decode_steps=steps))
-      outs[steps], metrics[steps] = eng.generate_sync(reqs[:n_req]), eng.metrics
+      if case.startswith("cache end"):
+        eng = JaxEngine(model, EngineConfig(num_slots=4, max_len=32, decode_steps=steps))
+        outs[steps] = eng.generate_sync(reqs[:4] if case.endswith("no queue") else reqs)
+      else:
+        eng = JaxEngine(model, EngineConfig(num_slots=4, max_len=96, min_prefill_bucket=8,
+                                            decode_steps=steps))
+        assert eng.config.decode_attend(12) == 16  # steps attend to a bucket, not whole slots
+        outs[steps] = _stop_and_resume_workload(eng)
+      metrics[steps] = eng.metrics
     for steps in (3, 5):
-      for r, x, y in zip(reqs, outs[1], outs[steps]):
-        assert (x.output_ids, x.finish_reason) == (y.output_ids, y.finish_reason), (steps, r.request_id)
+      for x, y in zip(outs[1], outs[steps]):
+        assert (x.output_ids, x.finish_reason) == (y.output_ids, y.finish_reason), (case, steps)
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     m = metrics[5]
-    if n_req == 4:
+    if case == "cache end, no queue":
       assert m["decode_steps"] == 5 * m["decode_calls"]
-    else:  # single steps while the queue lasted, then five a call
+    elif case == "cache end, queue":  # single steps while the queue lasted, then five a call
       assert m["decode_calls"] < m["decode_steps"] < 5 * m["decode_calls"]
-  # Every way a row ends is exercised, the cache end included.
-  assert {x.finish_reason for x in outs[1]} == {"stop", "length"}
-  assert any(len(r.input_ids) + len(x.output_ids) >= 31 for r, x in zip(reqs, outs[1]))
+      assert {x.finish_reason for x in outs[1]} == {"stop", "length"}
+      assert any(len(r.input_ids) + len(x.output_ids) >= 31 for r, x in zip(reqs, outs[1]))
+    else:
+      # Rows stopped on a stop token inside a call of 5 (not on its last step), and
+      # second turns reused their first turn's slot.
+      assert any(x.finish_reason == "stop" and len(x.output_ids) >= 3
+                 and (len(x.output_ids) - 1) % 5 for x in outs[1])
+      assert m["reused_prefix_tokens"] > 0
   with pytest.raises(ValueError, match="decode_steps"):
     EngineConfig(decode_steps=0)
 
