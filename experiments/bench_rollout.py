@@ -75,13 +75,9 @@ flags.DEFINE_boolean("skip_b", False, "skip part (b)")
 flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a power-of-two "
                      "prefix of the slots (EngineConfig.decode_buckets)")
 flags.DEFINE_integer("decode_steps", 4, "EngineConfig.decode_steps: tokens per decode call "
-                     "while no request waits (0: the engine's default, 1)")
+                     "while no request waits (the engine's default is 1)")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
-
-
-def _steps() -> dict:
-  return {"decode_steps": FLAGS.decode_steps} if FLAGS.decode_steps else {}
 
 
 class JitTimer:
@@ -159,7 +155,7 @@ def bench_generate():
     return rng.randint(0, cfg.vocab_size, (b, p))
 
   ecfg = EngineConfig(num_slots=b, max_len=max_len, decode_buckets=FLAGS.decode_buckets,
-                      **_steps())
+                      decode_steps=FLAGS.decode_steps)
   k = ecfg.decode_steps
 
   def run_jax(tokens, seed):
@@ -398,7 +394,8 @@ def bench_agent():
   model = qwen3.create_model(cfg, seed=1)
   ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len,
                       prefix_grace_s=FLAGS.prefix_grace_s,
-                      prefill_batch_tokens=FLAGS.prefill_batch_tokens, **_steps())
+                      prefill_batch_tokens=FLAGS.prefill_batch_tokens,
+                      decode_steps=FLAGS.decode_steps)
   engine = JaxEngine(model, ecfg)
   acfg = AgentConfig(max_turns=FLAGS.max_turns, max_response_tokens=FLAGS.max_response_tokens)
 

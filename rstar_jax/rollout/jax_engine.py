@@ -510,13 +510,15 @@ class JaxEngine:
     self.metrics["decode_s"] += time.perf_counter() - t0
     self.metrics["decode_calls"] += 1
     self.metrics["decode_steps"] += steps
+    kept = 0
     for i in active:
       s = self.slots[i]
       req, fed = s.request, int(toks[i])
       for j in range(steps):  # until the row's request ends; later steps are discarded
         s.cached.append(fed)
-        self.metrics["active_slot_steps"] += 1
+        kept += 1
         fed = out_tok[i][j]
         self._accept(i, fed, out_logp[i][j])
         if s.request is not req:
           break
+    self.metrics["active_slot_steps"] += kept
