@@ -71,15 +71,37 @@ def _attend(q, k, v, mask, cache_layout: bool = False):
   """Grouped-query attention. q [B,T,Nq,D], k/v [B,S,Nkv,D] (with `cache_layout`
   the KV cache's: k [B,Nkv,D,S], v [B,Nkv,S,D]), mask [B,T,S] bool."""
   b, t, nq, d = q.shape
-  nkv = k.shape[1 if cache_layout else 2]
-  ks, vs = ("bkds", "bksd") if cache_layout else ("bskd", "bskd")
+  if cache_layout:
+    return _attend_cache_layout(q, k, v, mask)
+  nkv = k.shape[2]
   q = q.reshape(b, t, nkv, nq // nkv, d)
-  scores = jnp.einsum(f"btkgd,{ks}->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (d ** -0.5)
   scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum(f"bkgts,{vs}->btkgd", probs, v)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(b, t, nq, d)
+
+
+def _attend_cache_layout(q, k, v, mask):
+  """`_attend` for several queries per row over the cache's layout (prefill).
+
+  Rows and KV heads are folded into one batch axis, a group's queries into the
+  matrix rows: XLA:CPU runs a dot with two batch axes (B, Nkv) on its own slow
+  emitter, one with a single batch axis as a library GEMM. One layer at 4 rows x 32
+  queries x 512 slots: 1.2 -> 0.64 ms.
+  """
+  b, t, nq, d = q.shape
+  nkv, s = k.shape[1], k.shape[3]
+  g = nq // nkv
+  qx = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * nkv, g * t, d)
+  scores = jnp.einsum("xqd,xds->xqs", qx, k.reshape(b * nkv, d, s),
+                      preferred_element_type=jnp.float32).reshape(b, nkv, g, t, s)
+  scores = scores * (d ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b * nkv, g * t, s)
+  out = jnp.einsum("xqs,xsd->xqd", probs, v.reshape(b * nkv, s, d))
+  return out.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nq, d)
 
 
 def _attend_one_query(q, k, v, mask):

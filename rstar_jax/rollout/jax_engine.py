@@ -16,8 +16,9 @@ whose input extends that content (the same trajectory resuming after a tool call
 is placed there and prefills only the new tokens. If the slot was taken meanwhile,
 the request is prefilled from scratch elsewhere: correct either way.
 
-Parameters are read in place: `update_weights(state)` swaps the reference the next
-step uses (the trainer's arrays, no copy, no export).
+Parameters: `update_weights(state)` swaps what the next step uses. With
+`per_layer_weights` (default) the engine keeps its own copy of the layers' weights,
+one buffer per layer; otherwise it reads the trainer's arrays in place (no copy).
 """
 from __future__ import annotations
 
@@ -73,6 +74,12 @@ class EngineConfig:
   # `small` preset: 4.95 -> 4.50 ms a step at 4, 4.26 at 8); the toy recipe's short
   # agent turns did not (RL steps no faster, a second compile per bucket), hence 1.
   decode_steps: int = 1
+  # The engine keeps each layer's weights in a buffer of its own (a copy of the
+  # stacked [L, ...] arrays, made at `update_weights`). XLA:CPU copies a layer's
+  # weights out of the stacked arrays on every call (a slice feeds no GEMM in place):
+  # ~1.5 ms of a 1-row x 32-token prefill's ~4 at 64 slots x 512 (`small`). False
+  # reads the caller's arrays in place: no second copy of the weights in memory.
+  per_layer_weights: bool = True
 
   def buckets(self) -> list[int]:
     """Every value `length_bucket` can return, ascending."""
@@ -135,6 +142,28 @@ class _Slot:
   held_until: float = 0.0      # kept for its own trajectory's next turn until then
 
 
+def _layer_tuple(x) -> bool:
+  return isinstance(x, tuple)
+
+
+@jax.jit
+def _per_layer(state):
+  """`state` with each stacked [L, ...] array of the layers as a tuple of L arrays."""
+  out = jax.tree.map(lambda a: a, state)
+  out["layers"] = jax.tree.map(lambda a: tuple(a), state["layers"])
+  return out
+
+
+def _stacked(state):
+  """Inverse of `_per_layer` (identity on a stacked state), inside a jitted call:
+  XLA folds the model's slice of layer i out of the stack back to buffer i, so no
+  weight is copied."""
+  out = jax.tree.map(lambda a: a, state, is_leaf=_layer_tuple)
+  out["layers"] = jax.tree.map(lambda t: jnp.stack(t) if _layer_tuple(t) else t,
+                               state["layers"], is_leaf=_layer_tuple)
+  return out
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "attend_len"), donate_argnames=("cache",))
 def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temps, top_p, top_k,
              attend_len=None):
@@ -143,7 +172,7 @@ def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temp
   the rows' slots are read and written back (every real token's position is below
   it). Padding rows name slot num_slots (their reads are zeros, their writes are
   dropped)."""
-  model = nnx.merge(graphdef, state)
+  model = nnx.merge(graphdef, _stacked(state))
   rows = qwen3.cache_rows(cache, slots, attend_len)
   hidden, rows = model(tokens, positions, cache=rows)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
@@ -163,7 +192,7 @@ def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, to
   Unrolled, not a loop: XLA then slices each layer's weights out of the stacked
   arrays once for all steps (one copy per call instead of per step). Positions past
   the cache end (idle rows, rows past their stop) write nowhere."""
-  model = nnx.merge(graphdef, state)
+  model = nnx.merge(graphdef, _stacked(state))
   tok, toks, logps = tokens, [], []
   for j in range(steps):
     hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
@@ -181,7 +210,8 @@ class JaxEngine:
   def __init__(self, model: Qwen3, config: EngineConfig, name: str = "jax0"):
     self.config = config
     self.name = name
-    self.graphdef, self.state = nnx.split(model)
+    self.graphdef, state = nnx.split(model)
+    self.state = _per_layer(state) if config.per_layer_weights else state
     self.model_cfg = model.cfg
     dtype = config.cache_dtype or model.cfg.dtype
     self.cache = model.init_cache(config.num_slots, config.max_len, dtype)
@@ -202,6 +232,8 @@ class JaxEngine:
   def update_weights(self, state, version: str | None = None) -> None:
     """Uses `state` (an nnx State of the same graph) from the next step on; results
     generated from then on carry `version` (unchanged when None)."""
+    if self.config.per_layer_weights:
+      state = _per_layer(state)
     with self._lock:
       self.state = state
       if version is not None:

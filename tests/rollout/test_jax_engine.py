@@ -61,6 +61,28 @@ def test_decode_length_buckets_change_nothing_but_the_work(model):
   assert max(len(r.input_ids) + len(x.output_ids) for r, x in zip(reqs, a)) > 16  # crossed buckets
 
 
+
+def test_per_layer_weights_change_nothing_and_follow_update_weights(model):
+  """The engine's own per-layer copy of the weights gives the tokens of the stacked
+  arrays read in place, and `update_weights` replaces it (stale prefixes dropped)."""
+  reqs = _requests(n=6, seed=5)
+  own = JaxEngine(model, EngineConfig(num_slots=4, max_len=64))
+  shared = JaxEngine(model, EngineConfig(num_slots=4, max_len=64, per_layer_weights=False))
+  assert isinstance(own.state["layers"]["q_proj"].get_value(), tuple)
+  a, b = own.generate_sync(reqs), shared.generate_sync(reqs)
+  for r, x, y in zip(reqs, a, b):
+    assert x.output_ids == y.output_ids, r.request_id
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+  other = qwen3.create_model(CFG, seed=1)
+  own.update_weights(nnx.state(other), version="v1")
+  fresh = JaxEngine(other, EngineConfig(num_slots=4, max_len=64))
+  c, d = own.generate_sync(reqs), fresh.generate_sync(reqs)
+  assert [x.output_ids for x in c] != [x.output_ids for x in a]
+  for r, x, y in zip(reqs, c, d):
+    assert x.output_ids == y.output_ids, r.request_id
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+    assert x.weight_version == "v1"
+
 def _stop_and_resume_workload(engine):
   """Requests that stop on stop tokens part-way, a second turn extending each (prefix
   reuse on slots whose cache holds discarded steps past the first turn), then more."""
