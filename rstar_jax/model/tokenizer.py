@@ -13,6 +13,7 @@ tokenizer without the Python layers, and `save` writes a directory that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -86,6 +87,11 @@ def _token_content(value: Any) -> str | None:
   if isinstance(value, dict) and isinstance(value.get("content"), str):
     return value["content"]
   raise ValueError(f"cannot read a token from tokenizer_config.json value {value!r}")
+
+
+class Verbatim(str):
+  """Untrusted text (a problem, a tool's output) for `Tokenizer.encode_parts`: the
+  special-token strings in it are encoded as text, never as the tokens."""
 
 
 class Tokenizer:
@@ -233,6 +239,65 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; adds no BOS/EOS (the chat protocol places every token)."""
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_parts(self, parts: Sequence[str]) -> list[int]:
+    """Token ids of `"".join(parts)` in which every `Verbatim` part stays text.
+
+    An added-token string inside a `Verbatim` part (`<|im_end|>` printed by a tool,
+    `</tool_response>` in a problem) is encoded as the characters it is made of, so
+    untrusted text cannot close a turn or forge a tool response; the other parts'
+    added tokens are kept. When no added token touches a `Verbatim` part (the usual
+    case) the ids are exactly `encode("".join(parts))`. Otherwise the text is cut
+    around each such match: the match is encoded without added tokens, the rest as
+    usual (so BPE merges never cross the cut).
+    """
+    text = "".join(parts)
+    verbatim, start = [], 0
+    for part in parts:
+      if isinstance(part, Verbatim) and part:
+        verbatim.append((start, start + len(part)))
+      start += len(part)
+    literals: list[tuple[int, int]] = []
+    # Normally one cut suffices; added tokens with lstrip / rstrip could match anew
+    # in a cut segment, so cut until nothing touches a Verbatim part.
+    while True:
+      ids, forged = self._encode_around(text, literals, verbatim)
+      if not forged:
+        return ids
+      literals = sorted(literals + forged)
+
+  def _encode_around(self, text, literals, verbatim):
+    """Ids of `text` with the `literals` spans encoded without added tokens; and the
+    spans of added tokens that still overlap a `verbatim` span."""
+    ids, forged, pos = [], [], 0
+    for lo, hi in literals + [(len(text), len(text))]:
+      if pos < lo:
+        enc = self._tok.encode(text[pos:lo], add_special_tokens=False)
+        if not self._added_ids.isdisjoint(enc.ids):
+          for token_id, (a, b) in zip(enc.ids, enc.offsets):
+            a, b = a + pos, b + pos
+            if token_id in self._added_ids and any(a < v1 and v0 < b for v0, v1 in verbatim):
+              forged.append((a, b))
+        ids += enc.ids
+      if lo < hi:
+        plain = self._plain.encode(text[lo:hi], add_special_tokens=False).ids
+        if not self._added_ids.isdisjoint(plain):
+          raise ValueError(f"this tokenizer cannot encode {text[lo:hi]!r} as text: its "
+                           "vocabulary maps it back to an added token")
+        ids += plain
+      pos = max(pos, hi)
+    return ids, forged
+
+  @functools.cached_property
+  def _added_ids(self) -> frozenset[int]:
+    return frozenset(self._tok.get_added_tokens_decoder())
+
+  @functools.cached_property
+  def _plain(self) -> tokenizers.Tokenizer:
+    """The same tokenizer without its added tokens (they become plain text)."""
+    spec = json.loads(self._tok.to_str())
+    spec["added_tokens"] = []
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

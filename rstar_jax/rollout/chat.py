@@ -216,9 +216,20 @@ def system_text(config: ChatConfig, system_prompt: str | None = None) -> str:
           f"{IM_END}\n")
 
 
+def user_parts(problem: str, config: ChatConfig) -> list[str]:
+  """`user_text` in parts, the problem marked `Verbatim` (untrusted text)."""
+  parts = [f"{IM_START}user\n"]
+  for i, piece in enumerate(config.user_template.split("{problem}")):
+    if i:
+      parts.append(tokenizer_lib.Verbatim(problem))
+    parts.append(piece)
+  parts.append(f"{IM_END}\n")
+  return parts
+
+
 def user_text(problem: str, config: ChatConfig) -> str:
   """The user turn carrying the problem, including its closing newline."""
-  return f"{IM_START}user\n{config.user_template.replace('{problem}', problem)}{IM_END}\n"
+  return "".join(user_parts(problem, config))
 
 
 def generation_prompt_text(config: ChatConfig, *, first: bool) -> str:
@@ -240,7 +251,14 @@ def tool_call_text(name: str, arguments: Mapping[str, Any]) -> str:
 
 def tool_turn_text(responses: Sequence[str], config: ChatConfig, *,
                    close_assistant: bool) -> str:
-  """What follows an assistant turn that called tools.
+  """What follows an assistant turn that called tools (see `tool_turn_parts`)."""
+  return "".join(tool_turn_parts(responses, config, close_assistant=close_assistant))
+
+
+def tool_turn_parts(responses: Sequence[str], config: ChatConfig, *,
+                    close_assistant: bool) -> list[str]:
+  """What follows an assistant turn that called tools, in parts, each response marked
+  `Verbatim` (a tool's output is untrusted text).
 
   Args:
     responses: one tool response text per call, in call order; all are merged in one
@@ -253,10 +271,11 @@ def tool_turn_text(responses: Sequence[str], config: ChatConfig, *,
     raise ValueError("tool_turn_text needs at least one tool response")
   parts = [IM_END if close_assistant else "", "\n", IM_START, "user"]
   for text in responses:
-    parts.append(f"\n{TOOL_RESPONSE_START}\n{text}\n{TOOL_RESPONSE_END}")
+    parts += [f"\n{TOOL_RESPONSE_START}\n", tokenizer_lib.Verbatim(text),
+              f"\n{TOOL_RESPONSE_END}"]
   parts.append(f"{IM_END}\n")
   parts.append(generation_prompt_text(config, first=False))
-  return "".join(parts)
+  return parts
 
 
 # --- tool output -----------------------------------------------------------------------
@@ -468,6 +487,8 @@ class TokenizerLike(Protocol):
 
   def encode(self, text: str) -> list[int]: ...
 
+  def encode_parts(self, parts: Sequence[str]) -> list[int]: ...
+
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
 
   def chat_token_ids(self) -> tokenizer_lib.ChatTokenIds: ...
@@ -535,8 +556,9 @@ class ChatProtocol:
     """System turn + user turn + `<|im_start|>assistant\\n<reason>`."""
     system = (self._system_ids if system_prompt is None
               else self.tokenizer.encode(system_text(self.config, system_prompt)))
-    return (list(system) + self.tokenizer.encode(user_text(self._check_problem(problem),
-                                                           self.config))
+    return (list(system)
+            + self.tokenizer.encode_parts(user_parts(self._check_problem(problem),
+                                                     self.config))
             + self.tokenizer.encode(generation_prompt_text(self.config, first=True)))
 
   @staticmethod
@@ -585,7 +607,8 @@ class ChatProtocol:
     before writing it, then `\\n`), adds one user turn with all `responses` and the
     next generation prompt."""
     close = not generated_ids or generated_ids[-1] != self.token_ids.im_end
-    return self.tokenizer.encode(tool_turn_text(responses, self.config, close_assistant=close))
+    return self.tokenizer.encode_parts(tool_turn_parts(responses, self.config,
+                                                       close_assistant=close))
 
   # -- whole trajectories --
   def format_stats(self, response_ids: Sequence[int],
