@@ -275,8 +275,15 @@ class Tokenizer:
         enc = self._tok.encode(text[pos:lo], add_special_tokens=False)
         if not self._added_ids.isdisjoint(enc.ids):
           for token_id, (a, b) in zip(enc.ids, enc.offsets):
+            if token_id not in self._added_ids:
+              continue
             a, b = a + pos, b + pos
-            if token_id in self._added_ids and any(a < v1 and v0 < b for v0, v1 in verbatim):
+            # The token's own characters decide, not the whitespace an lstrip /
+            # rstrip token takes in with them.
+            content = self._added_content[token_id]
+            c = text.find(content, a, b)
+            c0, c1 = (c, c + len(content)) if c >= 0 else (a, b)
+            if any(c0 < v1 and v0 < c1 for v0, v1 in verbatim):
               forged.append((a, b))
         ids += enc.ids
       if lo < hi:
@@ -289,8 +296,12 @@ class Tokenizer:
     return ids, forged
 
   @functools.cached_property
+  def _added_content(self) -> dict[int, str]:
+    return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
+  @functools.cached_property
   def _added_ids(self) -> frozenset[int]:
-    return frozenset(self._tok.get_added_tokens_decoder())
+    return frozenset(self._added_content)
 
   @functools.cached_property
   def _plain(self) -> tokenizers.Tokenizer:

@@ -674,6 +674,11 @@ class ChatProtocol:
         raise ValueError(f"{where}: message {index} should be 'assistant', got "
                          f"{_get(msg, 'role')!r}")
       text = assistant_text(msg, index)
+      for token in (IM_END, tokenizer_lib.ENDOFTEXT):
+        if token in text:
+          raise ValueError(f"{where}: message {index} contains {token!r} in its text; a turn "
+                           "ends at its first end token, so the rollout never generates one "
+                           "inside a turn")
       parsed = parse_tool_calls(text, self.config)
       n_calls = len(parsed.calls) + parsed.num_dropped
       if n_calls == 0:

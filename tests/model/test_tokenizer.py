@@ -240,3 +240,17 @@ def test_verbatim_special_tokens_match_transformers_split_special_tokens(qwen3_l
   ours = qwen3_like.encode_parts([tokenizer_lib.Verbatim(untrusted)])
   assert ours == hf.encode(untrusted, add_special_tokens=False)
   assert ours != qwen3_like.encode(untrusted)
+
+
+def test_lstrip_token_after_verbatim_whitespace_is_kept():
+  # An lstrip added token takes in the whitespace before it, here from the untrusted
+  # part: the token itself is trusted and stays a token; one inside stays text.
+  tok = tokenizers.Tokenizer.from_str(
+      tokenizer_lib.train_tokenizer(CORPUS, vocab_size=400).backend.to_str())
+  tok.add_tokens([tokenizers.AddedToken("<mask>", lstrip=True, normalized=False)])
+  wrapped = tokenizer_lib.Tokenizer(tok)
+  mask = wrapped.token_id("<mask>")
+  ids = wrapped.encode_parts([tokenizer_lib.Verbatim("output  "), "<mask>"])
+  assert ids.count(mask) == 1 and ids == wrapped.encode("output  <mask>")
+  ids = wrapped.encode_parts([tokenizer_lib.Verbatim("output  <mask>"), "<mask>"])
+  assert ids.count(mask) == 1 and wrapped.decode(ids) == "output  <mask><mask>"

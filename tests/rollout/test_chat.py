@@ -388,6 +388,10 @@ def test_render_conversation_with_system_message(tok, proto):
     (_messages()[:1] + [{"role": "assistant", "content": CALL + CALL}] + _messages()[4:],
      "has 2 tool calls but max_parallel_calls=1"),
     (_messages()[:1] + [{"role": "assistant", "content": 5}], "'content' must be a string"),
+    (_messages()[:1] + [{"role": "assistant", "content": "Done<|im_end|> \\boxed{3}"}],
+     "message 1 contains '<|im_end|>'"),
+    (_messages()[:1] + [{"role": "assistant", "content": "a<|endoftext|>" + CALL}]
+     + _messages()[4:], "message 1 contains '<|endoftext|>'"),
 ])
 def test_render_conversation_rejects_bad_messages(proto, messages, message):
   with pytest.raises(ValueError, match=message):
