@@ -46,12 +46,13 @@ def get_config(variant: str = ""):
   c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
                 engine=dict(num_slots=64, max_len=384))
 
-  # ~2800 steps of 12 x 320 packed tokens (~8 min on 2 cores). 10,000 distinct traces
+  # ~2000 steps of 12 x 320 packed tokens (~9.5 min on a 2-core host whose matmul peak is
+  # ~210 GFLOP/s; 7 epochs took 18m51s end to end there, WORKSPACE.md). 10,000 distinct traces
   # (not 4,000 seen more often): every number chunk is a rare token, and copying must
   # generalise to chunks it has hardly seen. The traces run up to 258 tokens (median 150):
   # rows of 320 pack them 92% full, rows of 288 only 76% (two median traces do not
   # fit), so 320 trains 1.2x the tokens per second of 288 and holds the longest trace.
-  c.sft = s(recipe.SFTStage, enabled=True, epochs=7.0, seq_len=320, rows_per_step=12,
+  c.sft = s(recipe.SFTStage, enabled=True, epochs=5.0, seq_len=320, rows_per_step=12,
             heldout_share=0.05, eval_every=200, checkpoint_every=300,
             data=dict(num_traces=10000, traces=dict(bug_share=0.2, no_tool_share=0.3)),
             optimizer=dict(learning_rate=6e-3, warmup_steps=10, schedule="warmup_cosine",
