@@ -147,10 +147,15 @@ def _layer_tuple(x) -> bool:
 
 
 @jax.jit
+def _split_layers(layers):
+  return jax.tree.map(tuple, layers)
+
+
 def _per_layer(state):
-  """`state` with each stacked [L, ...] array of the layers as a tuple of L arrays."""
+  """`state` with each stacked [L, ...] array of the layers as a tuple of L arrays
+  (only the layers go through the jitted split: the other arrays are not copied)."""
   out = jax.tree.map(lambda a: a, state)
-  out["layers"] = jax.tree.map(lambda a: tuple(a), state["layers"])
+  out["layers"] = _split_layers(state["layers"])
   return out
 
 
