@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rstar_jax import sharding
 from rstar_jax.model import qwen3
 from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.rollout import sampling
@@ -216,10 +217,14 @@ class JaxEngine:
     self.config = config
     self.name = name
     self.graphdef, state = nnx.split(model)
+    # Committed, as a step's output is: one compiled program per shape whatever made
+    # the weights (`sharding.committed`), and the first call on the fresh cache is
+    # the program of every later one.
+    state = sharding.committed(state)
     self.state = _per_layer(state) if config.per_layer_weights else state
     self.model_cfg = model.cfg
     dtype = config.cache_dtype or model.cfg.dtype
-    self.cache = model.init_cache(config.num_slots, config.max_len, dtype)
+    self.cache = sharding.committed(model.init_cache(config.num_slots, config.max_len, dtype))
     self.slots = [_Slot() for _ in range(config.num_slots)]
     self.queue: collections.deque = collections.deque()
     self._lock = threading.Condition()
@@ -237,6 +242,7 @@ class JaxEngine:
   def update_weights(self, state, version: str | None = None) -> None:
     """Uses `state` (an nnx State of the same graph) from the next step on; results
     generated from then on carry `version` (unchanged when None)."""
+    state = sharding.committed(state)
     if self.config.per_layer_weights:
       state = _per_layer(state)
     with self._lock:

@@ -157,13 +157,13 @@ def jit_step(fn, mesh=None, rules=sharding.DEFAULT_RULES,
   def run(state: TrainState, batch: dict[str, Any]):
     batch = sharding.place_batch(batch, mesh, rules)
     with sharding.use_mesh_rules(mesh, rules):
-      return jitted(state, batch)
+      return jitted(sharding.committed(state), batch)
 
   def lower(state: TrainState, batch: dict[str, Any]):
     """The lowered step for these arguments (`.compile().cost_analysis()`: XLA's FLOPs)."""
     batch = sharding.place_batch(batch, mesh, rules)
     with sharding.use_mesh_rules(mesh, rules):
-      return jitted.lower(state, batch)
+      return jitted.lower(sharding.committed(state), batch)
   run.lower = lower
   return run
 
@@ -175,5 +175,5 @@ def jit_eval(fn, mesh=None, rules=sharding.DEFAULT_RULES):
   def run(params, batch: dict[str, Any]):
     batch = sharding.place_batch(batch, mesh, rules)
     with sharding.use_mesh_rules(mesh, rules):
-      return jitted(params, batch)
+      return jitted(sharding.committed(params), batch)
   return run

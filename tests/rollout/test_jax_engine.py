@@ -83,6 +83,23 @@ def test_per_layer_weights_change_nothing_and_follow_update_weights(model):
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
     assert x.weight_version == "v1"
 
+def test_weights_from_a_step_or_a_checkpoint_reuse_the_compiled_programs(model, caplog):
+  """Weights that are committed to their device (a train step's output, a restored
+  checkpoint) and weights that are not (a fresh init) run the same compiled prefill
+  and decode: in the recipe every stage's new weights compiled each shape again."""
+  engine = JaxEngine(model, EngineConfig(num_slots=2, max_len=32))
+  engine.warm_up()
+  state = nnx.state(model)
+  assert state["embed_tokens"].get_value().committed is False
+  engine.update_weights(jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), state))
+  caplog.clear()
+  with jax.log_compiles(True):
+    shapes = engine.warm_up()   # every prefill and decode shape, on the new weights
+  compiled = [r.getMessage()[:40] for r in caplog.records
+              if r.getMessage().startswith("Compiling jit(_")]
+  assert shapes >= 4 and not compiled, compiled
+
+
 def _stop_and_resume_workload(engine):
   """Requests that stop on stop tokens part-way, a second turn extending each (prefix
   reuse on slots whose cache holds discarded steps past the first turn), then more."""
