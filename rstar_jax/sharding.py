@@ -211,15 +211,18 @@ def place_batch(batch: Mapping[str, Any], mesh: Mesh | None, rules=DEFAULT_RULES
 
 def committed(tree):
   """`tree` with every uncommitted jax.Array committed to the device it is on (no copy:
-  the new array shares the buffer); committed arrays and other leaves as they are.
+  the new array shares the buffer, so donating it deletes the original too); committed
+  arrays and other leaves as they are. For single-device state: arrays on a mesh are
+  committed already.
 
   Why: jit compiles one program per pattern of committed arguments (a committed one
   carries a sharding annotation into the HLO), and whether an array is committed
-  depends on where it came from: a fresh init is not, a checkpoint restore or the
-  output of a step on committed inputs is. Without this the train step compiled the
-  same shapes again when the first step's output came back, and again in every
-  recipe stage (one XLA:CPU compile of the toy's step is ~10 s), and the persistent
-  compile cache never matched across stages."""
+  depends on where it came from: a fresh init is not, a checkpoint restore is, a
+  step's output is when any input was, and a later recipe stage mixes them (params
+  carried over, a fresh step counter or optimizer). Without this the toy recipe
+  compiled its train-step shapes again in stages 2 and 3 (one XLA:CPU compile ~10 s)
+  and every engine shape again for stage 2's weights, and the persistent compile
+  cache could not match them."""
   def commit(a):
     if isinstance(a, jax.Array) and not a.committed:
       return jax.device_put(a, a.sharding)

@@ -217,14 +217,17 @@ class JaxEngine:
     self.config = config
     self.name = name
     self.graphdef, state = nnx.split(model)
-    # Committed, as a step's output is: one compiled program per shape whatever made
-    # the weights (`sharding.committed`), and the first call on the fresh cache is
-    # the program of every later one.
+    # Committed: one compiled program per shape whatever made the weights (a fresh
+    # init, a restore; `sharding.committed`).
     state = sharding.committed(state)
     self.state = _per_layer(state) if config.per_layer_weights else state
     self.model_cfg = model.cfg
     dtype = config.cache_dtype or model.cfg.dtype
-    self.cache = sharding.committed(model.init_cache(config.num_slots, config.max_len, dtype))
+    self.cache = model.init_cache(config.num_slots, config.max_len, dtype)
+    if len(jax.tree.leaves(state)[0].sharding.device_set) == 1:
+      # The cache comes back from every call committed: so must the first call's, or
+      # that shape compiles twice. Not on a mesh, where jit places it by the weights.
+      self.cache = sharding.committed(self.cache)
     self.slots = [_Slot() for _ in range(config.num_slots)]
     self.queue: collections.deque = collections.deque()
     self._lock = threading.Condition()

@@ -175,21 +175,23 @@ def _compiles(caplog, name: str) -> int:
 
 
 def test_one_program_per_shape_whatever_made_the_state(caplog):
-  """A fresh state (uncommitted arrays), the step's own output (committed) and a
-  stage-3 state (params from a checkpoint, a fresh optimizer: a mix) run one compiled
-  step. They compiled three: in the toy recipe ~10 s each, in every stage."""
+  """A fresh state (uncommitted arrays), its step's output, a restored state
+  (committed) and a later stage's mix (restored params, a fresh step counter and
+  optimizer) run one compiled step. The mix compiled a second program before: in the
+  toy recipe ~10 s for every shape, again in every stage."""
   tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
   model = qwen3.create_model(CFG, seed=3)
   graphdef, fresh, _ = ts.init_train_state(model, tx)
   step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
                             ts.StepConfig(logprob_chunk=8), donate=False)
   batch = _batch()
-  restored = jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), fresh.params)
-  mixed = ts.TrainState(fresh.step, restored, tx.init(fresh.params))
-  assert not fresh.step.committed and restored["embed_tokens"].get_value().committed
+  restored = jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), fresh)
+  mixed = ts.TrainState(fresh.step, restored.params, tx.init(fresh.params))
+  assert not fresh.step.committed and restored.params["embed_tokens"].get_value().committed
   with jax.log_compiles(True):
     out, _ = step(fresh, batch)
     step(out, batch)
+    step(restored, batch)
     _, m_mixed = step(mixed, batch)
   assert _compiles(caplog, "train_step") == 1
   _, m_fresh = step(fresh, batch)   # and the same numbers
