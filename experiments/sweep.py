@@ -4,7 +4,9 @@ Runs a sweep of config overrides, one run per point, and tabulates the results.
 
 Points: the config file's `get_sweep([variant])` (a list of override dicts, big_vision's
 get_hyper style) crossed with the Cartesian product of every `--sweep key=v1,v2` and of
-`--seeds` (the key `seed`). `--config.a.b=v` overrides given here go to every point.
+`--seeds` (the key `seed`). `--config.a.b=v` overrides given here go to every point, and
+so does `compile_cache_dir=<workdir>/compile_cache` where the config has that field (the
+recipe's): the points share their compiled programs.
 Each point runs `python -m <--module> --config <the same --config> --config.workdir=
 <workdir>/<point name> --config.k=v ...` (stdout and stderr in `<point dir>/sweep.log`),
 up to --workers at once. Finished points (eval_final.json or SWEEP_DONE.json present) are
@@ -74,6 +76,7 @@ def _main(argv):
     raise config_utils.ConfigError(
         f"key(s) {both} are both swept and set with --config.<key>=...; give each in one place")
   sweep.validate(overrides, config)
+  base = {**sweep.shared_overrides(config, base, overrides, _WORKDIR.value), **base}
   points = sweep.make_points(overrides, _WORKDIR.value)
 
   def argv_of(p, python=sweep.python_executable()):

@@ -288,14 +288,3 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
 
   app.run(wrapped, flags_parser=parser)
 
-
-def enable_compile_cache(path: str) -> None:
-  """JAX's persistent compilation cache in `path`.
-
-  Every stage builds fresh jitted functions (new trainer, new engine) with the same
-  shapes as the stage before; with the cache they load in milliseconds instead of
-  compiling again, and a resumed or repeated run compiles nothing it compiled before.
-  """
-  import jax
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

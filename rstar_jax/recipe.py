@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from absl import logging
 from flax import nnx
 
-from rstar_jax import config_utils, distributed, sharding
+from rstar_jax import compile_cache, config_utils, distributed, sharding
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
@@ -87,6 +87,11 @@ class RecipeConfig:
   """The whole run. `seed` seeds everything (tokenizer, data, init, rollouts).
 
   Attributes:
+    compile_cache: keep XLA's compiled programs on disk (JAX's persistent cache), so that
+      later stages, a resumed run and a rerun load them instead of compiling again.
+    compile_cache_dir: where (empty: <workdir>/compile_cache). Several runs may share one
+      directory at once, e.g. a sweep's points (`experiments/sweep.py` sets it to
+      <sweep dir>/compile_cache): the programs do not depend on the seed or the workdir.
     allow_random_init: let an RL stage or evaluation start from a randomly initialised
       model (no finished earlier stage, no model.hf_dir). Off: refused, since it is
       almost always a mistake (SFT not run, wrong work directory).
@@ -97,6 +102,7 @@ class RecipeConfig:
   seed: int = 0
   workdir: str = "/tmp/rstar_run"
   compile_cache: bool = True
+  compile_cache_dir: str = ""
   allow_random_init: bool = False
   allow_config_change: bool = False
   distributed: distributed.DistributedConfig = dataclasses.field(
@@ -192,7 +198,8 @@ def check_workdir(cfg: RecipeConfig) -> str:
     # How the job is launched, not what it computes: process 1 of a multi-process run
     # compares against the config.json that process 0 may have just written (which
     # says process_id 0), and a resumed run may use another coordinator or process count.
-    ignore = ("workdir", "allow_config_change", "allow_random_init", "distributed")
+    ignore = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
+              "distributed")
     changes = _diff({k: v for k, v in old.items() if k not in ignore},
                     {k: v for k, v in json.loads(text).items() if k not in ignore})
     if changes and not cfg.allow_config_change:
@@ -483,7 +490,7 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   if not todo:
     return reports
   if cfg.compile_cache:
-    config_utils.enable_compile_cache(os.path.join(workdir, "compile_cache"))
+    compile_cache.enable(cfg.compile_cache_dir or os.path.join(workdir, "compile_cache"))
   # Held to the end, tear-down included: a signal that lands after the last step still
   # lets the stage in flight finish and the servers stop in order.
   with interrupt.StopRequests() as stop, _tools(cfg) as tools:

@@ -57,6 +57,7 @@ FINAL_REPORT = "eval_final.json"
 LOG_NAME = "sweep.log"
 SEED_KEY = "seed"
 RESERVED_KEYS = ("workdir",)   # the sweep sets it per point
+COMPILE_CACHE_KEY = "compile_cache_dir"   # see `shared_overrides`
 MAX_NAME = 180                 # characters of a point directory name
 
 # Columns of the tables, from eval_final.json (rstar_jax.eval.metrics.EvalReport).
@@ -242,6 +243,22 @@ def validate(points: Sequence[Mapping[str, Any]], config) -> None:
     if name in seen:
       raise ConfigError(f"sweep points {seen[name]} and {i} are the same ({name})")
     seen[name] = i
+
+
+def shared_overrides(config, base_overrides: Mapping[str, Any],
+                     points: Sequence[Mapping[str, Any]], sweep_workdir: str) -> dict[str, Any]:
+  """Overrides the sweep adds for every point: one compile cache for all of them.
+
+  A config with a top-level `compile_cache_dir` field (the recipe's) gets
+  <sweep dir>/compile_cache, unless the sweep's command line sets or sweeps it. The
+  points' programs differ in neither shape nor code across seeds and most swept values,
+  so each later point loads them instead of compiling (JAX's cache is safe to share
+  between processes, `rstar_jax/compile_cache.py`).
+  """
+  key = COMPILE_CACHE_KEY
+  if key not in config or key in base_overrides or any(key in p for p in points):
+    return {}
+  return {key: os.path.join(os.path.abspath(sweep_workdir), "compile_cache")}
 
 
 # ---- names and commands ----------------------------------------------------------------

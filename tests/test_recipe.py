@@ -123,6 +123,8 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   launch = dataclasses.replace(cfg.distributed, process_id=1, num_processes=2,
                                coordinator_address="127.0.0.1:1234")
   recipe.check_workdir(dataclasses.replace(cfg, distributed=launch))
+  # Where compiled programs are kept is not the run's config either (a sweep shares one).
+  recipe.check_workdir(dataclasses.replace(cfg, compile_cache_dir=str(tmp_path / "shared")))
   with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
     recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
 

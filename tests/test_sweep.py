@@ -342,6 +342,28 @@ def test_cli_runs_reports_failure_and_tables(fake, tmp_path):
   assert open(root / "fail=True,method=b,seed=1" / "runs.txt").read().count("run") == 2
 
 
+def test_points_share_one_compile_cache_when_the_config_has_one(fake, tmp_path):
+  _, _, env = fake
+  cfg = tmp_path / "fake_cfg_cache.py"
+  cfg.write_text(FAKE_CONFIG.replace("  c.fail = False\n",
+                                     "  c.fail = False\n  c.compile_cache_dir = ''\n"))
+  root = tmp_path / "sw"
+  args = ["--config", str(cfg), "--workdir", str(root), "--seeds", "0,1", "--module",
+          "fake_child", "--print_only"]
+  cmds = _sweep_cli(env, *args).stdout.strip().splitlines()
+  assert len(cmds) == 2
+  assert all(f"--config.compile_cache_dir={root}/compile_cache" in c for c in cmds), cmds
+  # One given on the command line is every point's.
+  cmds = _sweep_cli(env, *args, "--config.compile_cache_dir=/elsewhere").stdout.splitlines()
+  assert all("--config.compile_cache_dir=/elsewhere" in c and "sw/compile_cache" not in c
+             for c in cmds), cmds
+  # Swept, or a config without the field (the fake's own): nothing added.
+  config = sweep.load_config(str(cfg))
+  assert sweep.shared_overrides(config, {}, [{"compile_cache_dir": "a"}], str(root)) == {}
+  cmds = _sweep_cli(env, *args[:1], fake[0], *args[2:]).stdout.splitlines()
+  assert len(cmds) == 2 and not any("compile_cache_dir" in c for c in cmds), cmds
+
+
 def test_cli_bad_key_names_valid_ones(fake, tmp_path):
   cfg, _, env = fake
   out = _sweep_cli(env, "--config", cfg, "--workdir", str(tmp_path), "--sweep", "nested.z=1",

@@ -59,6 +59,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rstar_jax import compile_cache
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
 
@@ -579,9 +580,7 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
   if args.compile_cache:
-    import jax
-    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compile_cache.enable(args.compile_cache, min_compile_time_secs=0.0)
   try:
     cfg = EngineConfig(num_slots=args.num_slots, max_len=args.max_len,
                        min_prefill_bucket=args.min_prefill_bucket,
