@@ -10,6 +10,9 @@ SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
 from rstar_jax import compile_cache
+if "early" in sys.argv[2:]:   # an earlier run in this process used another directory
+  compile_cache.enable(sys.argv[1] + "_earlier", min_compile_time_secs=0.0)
+  print("early", jax.jit(lambda x: x + 1)(1.0))
 compile_cache.enable(sys.argv[1], min_compile_time_secs=0.0)
 jax.config.update("jax_log_compiles", True)   # logs each persistent-cache hit
 
@@ -21,16 +24,22 @@ print("result", f(jnp.arange(16.0).reshape(4, 4) / 16).tolist())
 """
 
 
-def _start(cache_dir):
+def _start(cache_dir, *args):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  return subprocess.Popen([sys.executable, "-c", SCRIPT, str(cache_dir)], cwd=REPO, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen([sys.executable, "-c", SCRIPT, str(cache_dir), *args], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc):
   out = proc.communicate(timeout=300)[0]
   assert proc.returncode == 0, out[-3000:]
+  # JAX turns a failed cache read or write into a warning and goes on uncached.
+  assert "persistent compilation cache entry" not in out, out[-3000:]
   return out
+
+
+def _entries(cache, name="jit_f"):
+  return [e for e in os.listdir(cache) if e.startswith(name + "-") and e.endswith("-cache")]
 
 
 def test_processes_share_one_directory_under_jaxs_file_lock(tmp_path):
@@ -42,8 +51,22 @@ def test_processes_share_one_directory_under_jaxs_file_lock(tmp_path):
              if line.startswith("result")}
   assert len(results) == 1, results
   assert "Persistent compilation cache hit for 'jit_f'" in later
-  entries = sorted(os.listdir(cache))
-  assert sum(e.startswith("jit_f-") and e.endswith("-cache") for e in entries) == 1
+  assert len(_entries(cache)) == 1
   # JAX's locked (size-limited) cache: its lock file and the access times it evicts by.
   # Without a size limit JAX writes neither, and reads and writes entries unguarded.
+  entries = os.listdir(cache)
   assert ".lockfile" in entries and any(e.endswith("-atime") for e in entries)
+
+
+def test_unfinished_entries_are_dropped_and_a_late_enable_still_counts(tmp_path):
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  # An entry cut off by a killed writer (no access time, half its bytes): JAX would fail
+  # to read it, never replace it, and fail every later write on its missing access time.
+  (cache / "jit_g-0123abcd-cache").write_bytes(b"\x28\xb5\x2f\xfd half an executable")
+  out = _finish(_start(cache, "early"))
+  assert "early 2.0" in out
+  assert not (cache / "jit_g-0123abcd-cache").exists()
+  assert len(_entries(cache)) == 1      # here, not in the directory of the earlier compile
+  assert not _entries(str(cache) + "_earlier")
+  assert "Persistent compilation cache hit for 'jit_f'" in _finish(_start(cache, "early"))
