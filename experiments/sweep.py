@@ -85,14 +85,14 @@ def _main(argv):
 
   if _PRINT_ONLY.value:
     for p in points:
-      marker = sweep.finished(p)
+      marker = sweep.finished(p, argv_of(p))
       if marker:
         print(f"# {p.name}: finished ({marker})", file=sys.stderr)
       else:
         print(shlex.join(argv_of(p, python="python")))
     return
 
-  n_done = sum(1 for p in points if sweep.finished(p))
+  n_done = sum(1 for p in points if sweep.finished(p, argv_of(p)))
   print(f"sweep: {len(points)} point(s) of {_MODULE.value} with {spec} in {_WORKDIR.value} "
         f"({n_done} finished before), {_WORKERS.value} at once")
   for p in points:

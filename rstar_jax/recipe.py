@@ -157,6 +157,12 @@ def _done(workdir: str, stage: str) -> dict | None:
   return None
 
 
+def _started(workdir: str, stage: str) -> bool:
+  """Whether `stage` is finished or has saved a checkpoint to resume from."""
+  ckpts = os.path.join(workdir, stage, "checkpoints")
+  return bool(_done(workdir, stage)) or (os.path.isdir(ckpts) and bool(os.listdir(ckpts)))
+
+
 def _mark_done(workdir: str, stage: str, summary: dict) -> None:
   if not distributed.is_main():
     return
@@ -184,14 +190,14 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
 def check_workdir(cfg: RecipeConfig) -> str:
   """Writes the resolved config to <workdir>/config.json and returns the workdir.
 
-  A different config.json already there while stages are finished: refused (the
-  finished stages were made with the old one), naming every changed key; with
-  allow_config_change the new one goes beside it (config_<n>.json), never over it."""
+  A different config.json already there while stages are finished or have a checkpoint
+  to resume from: refused (they were made with the old one), naming every changed key;
+  with allow_config_change the new one goes beside it (config_<n>.json), never over it."""
   workdir = os.path.abspath(cfg.workdir)
   os.makedirs(workdir, exist_ok=True)
   text = resolved_json(cfg)
   path = os.path.join(workdir, "config.json")
-  done = [s for s in ALL_STAGES[:-1] if _done(workdir, s)]
+  done = [s for s in ALL_STAGES[:-1] if _started(workdir, s)]
   if os.path.exists(path) and done:
     with open(path) as f:
       old = json.load(f)
@@ -204,7 +210,8 @@ def check_workdir(cfg: RecipeConfig) -> str:
                     {k: v for k, v in json.loads(text).items() if k not in ignore})
     if changes and not cfg.allow_config_change:
       raise config_utils.ConfigError(
-          f"{workdir} holds finished stages {done} made with another config; changed: "
+          f"{workdir} holds stages {done} (finished or resumable) made with another config; "
+          "changed: "
           + "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else "")
           + ". Use a new --config.workdir, or --config.allow_config_change=True to go on "
           "with the new config (written beside the old one)")
@@ -438,6 +445,11 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
       print("sft: disabled (config.sft.enabled=False)")
     elif stage in RL_STAGES and getattr(cfg, stage).num_steps <= 0:
       print(f"{stage}: 0 steps, skipped")
+    elif stage == "sft" and _done(workdir, stage) and cfg.eval.after_sft and not os.path.exists(
+        os.path.join(workdir, "eval_after_sft.json")):
+      # SFT is marked done before its evaluation runs: a run stopped in between resumes here.
+      print("sft: already done, its evaluation (config.eval.after_sft) is not: evaluating it")
+      todo.append(stage)
     elif stage != "eval" and _done(workdir, stage):
       print(f"{stage}: already done ({os.path.join(workdir, stage, 'DONE.json')}), skipped")
     else:
@@ -521,12 +533,15 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
   for stage in todo:
     if stage == "eval":
       continue
+    if stage == "sft" and _done(workdir, "sft"):   # only its evaluation is left (`plan`)
+      model = load_stage_model(ctx, "sft")
     prev = _last_done(workdir, stage)
     if model is None:
       model = load_stage_model(ctx, prev) if prev else initial_model(cfg, ctx.tokenizer,
                                                                      ctx.mesh, ctx.rules)
     if stage == "sft":
-      model = run_sft(ctx, model)
+      if not _done(workdir, "sft"):
+        model = run_sft(ctx, model)
       if cfg.eval.after_sft:
         check_stop(stage)
         reports["after_sft"] = run_eval(ctx, model, "after_sft")

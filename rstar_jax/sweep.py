@@ -325,13 +325,44 @@ def command(point: Point, *, module: str, config_spec: str,
           *override_args(base_overrides or {}), *override_args(point.overrides), *extra_args]
 
 
-def finished(point: Point) -> str | None:
-  """Why `point` counts as finished (its marker's path), or None."""
+def finished(point: Point, argv: Sequence[str] | None = None) -> str | None:
+  """Why `point` counts as finished (its marker's path), or None.
+
+  With `argv` (the command the sweep would run now), a point the sweep finished with
+  another command does not count (`changed_command`): it runs again, and the run
+  decides (the recipe resumes what is left, or refuses a config that changed under
+  finished stages), instead of the sweep reporting results of other settings."""
   for marker in (FINAL_REPORT, DONE_MARKER):
     path = os.path.join(point.workdir, marker)
     if os.path.exists(path):
-      return path
+      return None if argv is not None and changed_command(point, argv) else path
   return None
+
+
+def _comparable(argv: Sequence[str]) -> list[str]:
+  # Not the interpreter (another virtualenv runs the same point) nor where the compiled
+  # programs are kept (points of sweeps before the shared cache had none).
+  return [a for a in list(argv)[1:] if not a.startswith(f"--config.{COMPILE_CACHE_KEY}=")]
+
+
+def changed_command(point: Point, argv: Sequence[str]) -> str | None:
+  """How `argv` differs from the command the sweep last finished `point` with (as
+  recorded in its done marker), or None: the same, or no record."""
+  try:
+    with open(os.path.join(point.workdir, DONE_MARKER)) as f:
+      before = json.load(f).get("command")
+  except (OSError, ValueError):
+    return None
+  if not isinstance(before, list):
+    return None
+  old, new = _comparable(before), _comparable(argv)
+  if old == new:
+    return None
+  added = [a for a in new if a not in old]
+  dropped = [a for a in old if a not in new]
+  return "; ".join(part for part in (f"now also {shlex.join(added)}" if added else "",
+                                      f"no longer {shlex.join(dropped)}" if dropped else "")
+                   if part) or "the same arguments in another order"
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -377,10 +408,14 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
   todo = []
   for p in points:
     marker = finished(p)
-    if marker:
+    changed = marker and changed_command(p, argv_of(p))
+    if marker and not changed:
       outcomes[p.name] = Outcome(p, "skipped", detail=marker)
       log(f"[sweep] {p.name}: finished before ({marker}), skipped")
     else:
+      if changed:
+        log(f"[sweep] {p.name}: finished before with another command ({changed}); running "
+            "it again with this one (a recipe resumes what is left, or refuses a changed config)")
       todo.append(p)
   lock = threading.Lock()
   count = [0]

@@ -87,6 +87,19 @@ def test_rerun_skips_finished_stages(recipe_dir):
   assert "nothing to do" in log
 
 
+def test_an_after_sft_evaluation_cut_off_runs_on_resume(recipe_dir, tmp_path):
+  """SFT is marked done before its evaluation: a run stopped in between (or killed
+  during it) evaluates the finished SFT model on the next run, without training again."""
+  d = _copy_sft(recipe_dir[0], tmp_path / "run")   # SFT done, its evaluation not
+  args = ("--config.eval.after_sft=True", "--stages=sft")
+  log = _run(d, *args)
+  assert "sft: already done, its evaluation (config.eval.after_sft) is not: evaluating it" in log
+  assert "SFT:" not in log   # no progress bar: not trained again
+  report = json.load(open(os.path.join(d, "eval_after_sft.json")))
+  assert 0.0 <= report["pass_at_1"] <= 1.0 and report["samples_per_problem"] == 2
+  assert "nothing to do" in _run(d, *args)
+
+
 def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
   workdir, log = recipe_dir
   with open(os.path.join(workdir, "config.json")) as f:
@@ -127,6 +140,26 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   recipe.check_workdir(dataclasses.replace(cfg, compile_cache_dir=str(tmp_path / "shared")))
   with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
     recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
+
+
+def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
+  """A stage with a checkpoint resumes from it: another config would continue it with
+  other settings (or fail to restore it), so it is refused as for a finished stage."""
+  import dataclasses
+  from experiments.configs import toy
+  from rstar_jax import config_utils, recipe
+  c = toy.get_config("smoke")
+  c.workdir = str(tmp_path)
+  cfg = recipe.build_config(c)
+  recipe.check_workdir(cfg)
+  recipe.check_workdir(dataclasses.replace(cfg, seed=1))   # nothing started: replaced
+  assert json.load(open(tmp_path / "config.json"))["seed"] == 1
+  recipe.check_workdir(cfg)
+  os.makedirs(tmp_path / "sft" / "checkpoints" / "3")
+  with pytest.raises(config_utils.ConfigError,
+                     match=r"stages \['sft'\] \(finished or resumable\).*seed: 0 -> 1"):
+    recipe.check_workdir(dataclasses.replace(cfg, seed=1))
+  assert json.load(open(tmp_path / "config.json"))["seed"] == 0
 
 
 def test_rl_without_sft_refuses_a_random_model(tmp_path):

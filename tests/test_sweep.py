@@ -342,6 +342,26 @@ def test_cli_runs_reports_failure_and_tables(fake, tmp_path):
   assert open(root / "fail=True,method=b,seed=1" / "runs.txt").read().count("run") == 2
 
 
+def test_a_point_finished_with_another_command_runs_again(fake, tmp_path):
+  """Rerun with other --config overrides: the sweep does not report the old results as
+  the new ones; the point runs again (a recipe then resumes or refuses the change)."""
+  cfg, _, env = fake
+  root = tmp_path / "sw"
+  args = ["--config", cfg, "--workdir", str(root), "--seeds", "0", "--module", "fake_child"]
+  _sweep_cli(env, *args, "--config.lr=0.5")
+  out = _sweep_cli(env, *args, "--config.lr=0.5")
+  assert "seed=0: finished before" in out.stdout and "skipped" in out.stdout
+  out = _sweep_cli(env, *args, "--config.lr=0.7")
+  assert "seed=0: finished before with another command (now also --config.lr=0.7; no longer " \
+         "--config.lr=0.5); running it again" in out.stdout, out.stdout
+  assert open(root / "seed=0" / "runs.txt").read().count("run") == 2
+  rows = list(csv.DictReader(open(root / "results.csv")))
+  assert float(rows[0]["pass_at_1"]) == pytest.approx(0.7)
+  # --print_only lists it again too; the same command again is finished.
+  assert "seed=0" in _sweep_cli(env, *args, "--config.lr=0.5", "--print_only").stdout
+  assert not _sweep_cli(env, *args, "--config.lr=0.7", "--print_only").stdout.strip()
+
+
 def test_points_share_one_compile_cache_when_the_config_has_one(fake, tmp_path):
   _, _, env = fake
   cfg = tmp_path / "fake_cfg_cache.py"
