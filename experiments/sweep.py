@@ -43,6 +43,12 @@ _CHILD_ARGS = flags.DEFINE_multi_string("child_arg", [],
                                         "extra argument for every point, e.g. --stages=sft")
 
 
+# Entry points whose config is a RecipeConfig: every point's config is built before any
+# point runs, so a value the dataclasses refuse stops the sweep at once, not one point later.
+_RECIPE_MODULES = ("experiments.recipe", "experiments.train_sft", "experiments.train_rl",
+                   "experiments.evaluate")
+
+
 def main(argv):
   try:
     _main(argv)
@@ -55,8 +61,7 @@ def main(argv):
 
 
 def _main(argv):
-  if len(argv) > 1:
-    raise config_utils.ConfigError(f"unexpected arguments {argv[1:]}")
+  del argv   # config_utils.run refuses positional arguments
   if not _WORKDIR.value:
     raise config_utils.ConfigError("--workdir is required (the sweep's directory)")
   spec = config_flags.get_config_filename(flags.FLAGS["config"])
@@ -75,7 +80,11 @@ def _main(argv):
   if both:
     raise config_utils.ConfigError(
         f"key(s) {both} are both swept and set with --config.<key>=...; give each in one place")
-  sweep.validate(overrides, config)
+  build = None
+  if _MODULE.value in _RECIPE_MODULES:
+    from rstar_jax import recipe
+    build = recipe.build_config
+  sweep.validate(overrides, config, build=build)
   base = {**sweep.shared_overrides(config, base, overrides, _WORKDIR.value), **base}
   points = sweep.make_points(overrides, _WORKDIR.value)
 

@@ -272,9 +272,13 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
       except (ConfigError, ValueError, OSError) as e:
         usage_exit(f"config error: {e}")
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
     except flags.Error as e:
       usage_exit(f"flag error: {e}")
+    if len(rest) > 1:   # a forgotten `--` or `=`: nothing here takes positional arguments
+      usage_exit(f"unexpected argument(s) {rest[1:]}: every setting is a flag "
+                 f"(--{config_flag}.<key>=<value>, --<flag>=<value>)")
+    return rest
 
   def wrapped(argv):
     try:

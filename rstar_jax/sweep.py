@@ -207,11 +207,16 @@ def load_sweep(spec: str) -> list[dict[str, Any]] | None:
   return out
 
 
-def validate(points: Sequence[Mapping[str, Any]], config) -> None:
+def validate(points: Sequence[Mapping[str, Any]], config,
+             build: Callable[[Any], Any] | None = None) -> None:
   """Every key exists in `config` (else the valid keys there are named) and every value
-  fits its field's type; reserved keys (workdir) and duplicate points are refused."""
+  fits its field's type; reserved keys (workdir), None values and duplicate points are
+  refused. With `build` (the entry point's config builder, e.g. `recipe.build_config`),
+  each point's whole config is built too, so that a value its dataclass refuses (an
+  unknown method, a negative step count) stops the sweep before any point runs."""
   seen: dict[str, int] = {}
   for i, p in enumerate(points):
+    node = copy.deepcopy(config)
     for key, value in p.items():
       if key in RESERVED_KEYS:
         raise ConfigError(f"sweep key {key!r} is set by the sweep itself (one directory per "
@@ -226,7 +231,11 @@ def validate(points: Sequence[Mapping[str, Any]], config) -> None:
                             f"known keys there: {known}")
         walk = walk[part]
         walked.append(part)
-      node = copy.deepcopy(config)
+      if value is None:
+        # Each point's values reach it as --config.<key>=<text>, and the flag parser
+        # reads "None" as a value of the field's type, not as None.
+        raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}=None cannot be passed "
+                          "on the command line; set it in the config file (a variant) instead")
       parent, _, leaf = key.rpartition(".")
       target = node
       for part in parent.split(".") if parent else ():
@@ -239,6 +248,11 @@ def validate(points: Sequence[Mapping[str, Any]], config) -> None:
       except (TypeError, ValueError) as e:
         raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}={value!r} does not fit "
                           f"the config field: {e}") from None
+    if build is not None:
+      try:
+        build(node)
+      except (TypeError, ValueError) as e:   # ConfigError is a ValueError
+        raise ConfigError(f"sweep point {i} ({point_name(p)}): {e}") from None
     name = point_name(p)
     if name in seen:
       raise ConfigError(f"sweep points {seen[name]} and {i} are the same ({name})")

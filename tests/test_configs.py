@@ -246,6 +246,15 @@ def test_bad_value_fails_at_start_with_one_line(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+def test_a_stray_positional_argument_is_refused(tmp_path):
+  # e.g. a boolean flag given a value after a space (`--config.sft.enabled False`):
+  # False would be ignored and the run would go on with the default.
+  out = _cli(f"--config.workdir={tmp_path}", "--config.sft.enabled", "False")
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "unexpected argument(s) ['False']: every setting is a flag" in out.stderr
+  assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("module", ["experiments.recipe", "experiments.train_rl",
                                     "experiments.evaluate", "experiments.train_sft"])
 def test_entry_point_without_config_says_how_to_call_it(module):

@@ -396,6 +396,31 @@ def test_cli_bad_key_names_valid_ones(fake, tmp_path):
   assert out.returncode == 2 and "both swept and set" in out.stderr
 
 
+def test_bad_values_stop_the_recipe_sweep_before_any_point_runs(tmp_path):
+  """Each point's RecipeConfig is built up front: a value its dataclasses refuse, or a
+  None that cannot travel as a flag, names the point and runs nothing."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  args = ["--config", "experiments/configs/toy.py:smoke", "--workdir", str(tmp_path / "sw")]
+  out = _sweep_cli(env, *args, "--sweep", "rl.downsample.method=roc,bogus", check=False)
+  assert out.returncode == 2, out.stdout + out.stderr
+  assert "sweep point 1 (rl.downsample.method=bogus): config.rl.downsample: " \
+         "DownsampleConfig.method: unknown down-sampler 'bogus'" in out.stderr
+  out = _sweep_cli(env, *args, "--sweep", "rl.loss.dual_clip_c=None", check=False)
+  assert out.returncode == 2 and "dual_clip_c=None cannot be passed on the command line" \
+      in out.stderr
+  assert not (tmp_path / "sw").exists()
+  # Other entry points (no builder known): only keys and types are checked.
+  config = ml_collections.ConfigDict({"seed": 0, "n": 1})
+  sweep.validate([{"n": -1}], config)
+  with pytest.raises(sweep.SweepError, match=r"sweep point 0 \(n=-1\): n must be >= 0"):
+    sweep.validate([{"n": -1}], config, build=_positive_n)
+
+
+def _positive_n(config):
+  if config.n < 0:
+    raise ValueError("n must be >= 0")
+
+
 @pytest.mark.slow
 def test_real_recipe_two_points(tmp_path):
   """Two points of the smoke recipe (1 RL step) through the real entry point."""
