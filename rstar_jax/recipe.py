@@ -194,7 +194,15 @@ def check_workdir(cfg: RecipeConfig) -> str:
   to resume from: refused (they were made with the old one), naming every changed key;
   with allow_config_change the new one goes beside it (config_<n>.json), never over it."""
   workdir = os.path.abspath(cfg.workdir)
-  os.makedirs(workdir, exist_ok=True)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:   # a file there or above it, no permission
+    raise config_utils.ConfigError(f"config.workdir={workdir}: cannot use it as the run's "
+                                   f"directory ({type(e).__name__}: {e.strerror or e})") from None
+  hf_dir = cfg.model.hf_dir
+  if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
+                                   "Hugging Face checkpoint directory is expected)")
   text = resolved_json(cfg)
   path = os.path.join(workdir, "config.json")
   done = [s for s in ALL_STAGES[:-1] if _started(workdir, s)]

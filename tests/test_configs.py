@@ -246,6 +246,18 @@ def test_bad_value_fails_at_start_with_one_line(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+def test_a_workdir_that_is_a_file_or_an_hf_dir_without_a_checkpoint_is_named(tmp_path):
+  (tmp_path / "a_file").write_text("")
+  out = _cli(f"--config.workdir={tmp_path / 'a_file'}")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert f"config.workdir={tmp_path / 'a_file'}: cannot use it as the run's directory" \
+      in out.stderr
+  out = _cli(f"--config.workdir={tmp_path / 'run'}", "--config.model.preset=",
+             f"--config.model.hf_dir={tmp_path / 'nowhere'}")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert f"config.model.hf_dir={tmp_path / 'nowhere'}: no config.json there" in out.stderr
+
+
 def test_a_stray_positional_argument_is_refused(tmp_path):
   # e.g. a boolean flag given a value after a space (`--config.sft.enabled False`):
   # False would be ignored and the run would go on with the default.
