@@ -47,6 +47,17 @@ def main(argv):
   if not 0 < _TOP_Q.value <= 1 or _WINDOW.value < 0:
     sys.exit(f"--top_q must be in (0, 1] and --reflection_window >= 0 (got {_TOP_Q.value}, "
              f"{_WINDOW.value})")
+  if _BATCH.value < 1 or _CHUNK.value < 1 or _LIMIT.value < 0 or _TEMPERATURE.value <= 0:
+    sys.exit(f"--batch_size and --chunk must be >= 1, --limit >= 0 and --temperature > 0 (got "
+             f"{_BATCH.value}, {_CHUNK.value}, {_LIMIT.value}, {_TEMPERATURE.value})")
+  from rstar_jax.model.config import DTYPES
+  if _DTYPE.value not in DTYPES:
+    sys.exit(f"--dtype={_DTYPE.value!r}: choose from {list(DTYPES)}")
+  if _OUT.value:   # found out now, not after the scoring
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    except OSError as e:
+      sys.exit(f"--out {_OUT.value}: cannot write there ({type(e).__name__}: {e.strerror or e})")
   try:
     trajs = entropy.load_trajectories(_TRAJ.value, limit=_LIMIT.value or None)
   except entropy.TrajectoryError as e:

@@ -238,3 +238,13 @@ def test_cli_end_to_end_on_tiny_export(tmp_path):
                         "--trajectories", str(tmp_path / "missing.jsonl")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "missing.jsonl: no such trajectories file" in bad.stderr
+  # Bad flags are named before the model loads or anything is scored.
+  (tmp_path / "a_file").write_text("")
+  for flag, says in (("--batch_size=0", "--batch_size and --chunk must be >= 1"),
+                     ("--dtype=float99", "--dtype='float99': choose from"),
+                     (f"--out={tmp_path / 'a_file' / 'e.json'}", "cannot write there")):
+    bad = subprocess.run([sys.executable, "-m", "experiments.entropy", "--hf_dir", hf_dir,
+                          "--trajectories", str(path), flag],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and says in bad.stderr and "Traceback" not in bad.stderr, \
+        (flag, bad.stderr[-2000:])
