@@ -90,8 +90,7 @@ def main(argv):
                            for t, e in zip(trajs, ents)]
   print(entropy.format_report(result))
   print(f"scored {len(trajs)} trajectories in {seconds:.1f} s")
-  if _OUT.value:
-    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  if _OUT.value:   # its directory was made at the start
     with open(_OUT.value, "w") as f:
       json.dump(result, f, indent=2)
     print(f"written: {_OUT.value}")

@@ -199,10 +199,6 @@ def check_workdir(cfg: RecipeConfig) -> str:
   except OSError as e:   # a file there or above it, no permission
     raise config_utils.ConfigError(f"config.workdir={workdir}: cannot use it as the run's "
                                    f"directory ({type(e).__name__}: {e.strerror or e})") from None
-  hf_dir = cfg.model.hf_dir
-  if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
-    raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
-                                   "Hugging Face checkpoint directory is expected)")
   text = resolved_json(cfg)
   path = os.path.join(workdir, "config.json")
   done = [s for s in ALL_STAGES[:-1] if _started(workdir, s)]
@@ -501,6 +497,11 @@ def _tools(cfg: RecipeConfig):
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
   cfg = build_config(config)
+  hf_dir = cfg.model.hf_dir
+  if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    # Said now, not after the sandbox and engines have started.
+    raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
+                                   "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
   workdir = check_workdir(cfg)
   if distributed.is_main():
@@ -541,14 +542,15 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
   for stage in todo:
     if stage == "eval":
       continue
-    if stage == "sft" and _done(workdir, "sft"):   # only its evaluation is left (`plan`)
+    sft_eval_only = stage == "sft" and bool(_done(workdir, "sft"))   # see `plan`
+    if sft_eval_only:
       model = load_stage_model(ctx, "sft")
     prev = _last_done(workdir, stage)
     if model is None:
       model = load_stage_model(ctx, prev) if prev else initial_model(cfg, ctx.tokenizer,
                                                                      ctx.mesh, ctx.rules)
     if stage == "sft":
-      if not _done(workdir, "sft"):
+      if not sft_eval_only:
         model = run_sft(ctx, model)
       if cfg.eval.after_sft:
         check_stop(stage)
