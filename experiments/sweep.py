@@ -111,7 +111,7 @@ def _main(argv):
   sweep.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
   print(sweep.write_tables(_WORKDIR.value, points, outcomes))
   print(f"tables: {_WORKDIR.value}/results.md, results.csv, results_seeds.csv")
-  failed = [o for o in outcomes if o.status == "failed"]
+  failed = [o for o in outcomes if o.status in ("failed", "interrupted")]
   if failed:
     print(f"{len(failed)} point(s) failed:", file=sys.stderr)
     for o in failed:

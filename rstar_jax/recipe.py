@@ -187,8 +187,9 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
   return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
-def check_workdir(cfg: RecipeConfig) -> str:
-  """Writes the resolved config to <workdir>/config.json and returns the workdir.
+def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
+  """Writes the resolved config to <workdir>/config.json; returns the workdir and the
+  config file that holds this run's config.
 
   A different config.json already there while stages are finished or have a checkpoint
   to resume from: refused (they were made with the old one), naming every changed key;
@@ -227,12 +228,12 @@ def check_workdir(cfg: RecipeConfig) -> str:
       logging.warning("config differs from the finished stages' (%s); writing %s",
                       "; ".join(changes), path)
     else:
-      return workdir
+      return workdir, path
   if distributed.is_main():
     with open(path + ".tmp", "w") as f:
       f.write(text)
     os.replace(path + ".tmp", path)
-  return workdir
+  return workdir, path
 
 
 # ---- set-up -------------------------------------------------------------------------
@@ -427,11 +428,32 @@ def _evaluate(ctx: Context, engines, name: str, source: str):
                                     dataset=name, model_source=source or name,
                                     seed=ctx.config.seed)
   path = os.path.join(ctx.workdir, f"eval_{name}.json")
-  with open(path, "w") as f:
-    f.write(report.to_json())
-  eval_lib.write_samples(os.path.join(ctx.workdir, f"eval_{name}_samples.jsonl"), trajs,
-                         ctx.eval_problems, ctx.tokenizer)
+  samples = os.path.join(ctx.workdir, f"eval_{name}_samples.jsonl")
+  text = report.to_json()
+  _keep_previous_report(path, samples, text)
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+  eval_lib.write_samples(samples, trajs, ctx.eval_problems, ctx.tokenizer)
   return report
+
+
+def _keep_previous_report(path: str, samples: str, text: str) -> None:
+  """A report already at `path` that says something else (another eval.k, another model
+  after allow_config_change) is moved to <name>_<n>.json with its samples, not lost."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    if f.read() == text:
+      return
+  stem = path[:-len(".json")]
+  n = 1
+  while os.path.exists(f"{stem}_{n}.json"):
+    n += 1
+  os.replace(path, f"{stem}_{n}.json")
+  if os.path.exists(samples):
+    os.replace(samples, f"{stem}_{n}_samples.jsonl")
+  logging.warning("%s differed from this evaluation's report: kept as %s_%d.json", path, stem, n)
 
 
 # ---- orchestration -------------------------------------------------------------------
@@ -503,9 +525,9 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
                                    "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
-  workdir = check_workdir(cfg)
+  workdir, config_path = check_workdir(cfg)
   if distributed.is_main():
-    print(f"config ({os.path.join(workdir, 'config.json')}):\n{resolved_json(cfg)}")
+    print(f"config ({config_path}):\n{resolved_json(cfg)}")
   todo = plan(cfg, workdir, stages)
   reports: dict[str, Any] = {}
   if not todo:

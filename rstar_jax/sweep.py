@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -383,10 +384,15 @@ def changed_command(point: Point, argv: Sequence[str]) -> str | None:
 @dataclasses.dataclass
 class Outcome:
   point: Point
-  status: str          # "done" (ran now), "skipped" (finished before), "failed"
+  status: str          # "done" (ran now), "skipped" (finished before), "failed", "interrupted"
   returncode: int | None = None
   seconds: float = 0.0
   detail: str = ""
+
+
+# Exit statuses of a child stopped by Ctrl-C: the recipe's 130 (128 + SIGINT) after it
+# saved, or killed by the signal itself.
+_INTERRUPTED = (128 + signal.SIGINT, -signal.SIGINT)
 
 
 def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,
@@ -445,7 +451,12 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
     with lock:
       count[0] += 1
       head = f"[sweep] {count[0]}/{len(todo)}"
-      if out.status == "failed":
+      if out.status == "failed" and (stop.is_set() or out.returncode in _INTERRUPTED):
+        # Ctrl-C reached the child too: it saved and stopped; a rerun resumes it.
+        out = dataclasses.replace(out, status="interrupted")
+        log(f"{head} interrupted {p.name} after {out.seconds:.0f} s (a rerun resumes it); "
+            f"log: {p.log}")
+      elif out.status == "failed":
         log(f"{head} FAILED {p.name}: {out.detail} after {out.seconds:.0f} s; log: {p.log}")
       else:
         log(f"{head} done {p.name} in {out.seconds:.0f} s")

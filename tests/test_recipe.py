@@ -112,8 +112,9 @@ def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
   assert "made with another config; changed: rl.optimizer.learning_rate: 0.0003 -> 0.001" \
       in out.stderr
   assert json.load(open(os.path.join(workdir, "config.json"))) == saved   # never overwritten
-  _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
-       "--stages=sft", "--config.allow_config_change=True")
+  log = _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
+             "--stages=sft", "--config.allow_config_change=True")
+  assert f"config ({os.path.join(workdir, 'config_1.json')}):" in log   # the file it wrote
   beside = json.load(open(os.path.join(workdir, "config_1.json")))
   assert beside["rl"]["optimizer"]["learning_rate"] == 1e-3
   assert json.load(open(os.path.join(workdir, "config.json"))) == saved
@@ -160,6 +161,25 @@ def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
                      match=r"stages \['sft'\] \(finished or resumable\).*seed: 0 -> 1"):
     recipe.check_workdir(dataclasses.replace(cfg, seed=1))
   assert json.load(open(tmp_path / "config.json"))["seed"] == 0
+
+
+def test_an_evaluation_with_other_results_keeps_the_previous_report(tmp_path):
+  """Re-evaluating with another eval.k (or another model) must not lose the old report."""
+  from rstar_jax import recipe
+  path, samples = str(tmp_path / "eval_final.json"), str(tmp_path / "eval_final_samples.jsonl")
+  recipe._keep_previous_report(path, samples, '{"k": 2}')   # nothing there yet
+  assert os.listdir(tmp_path) == []
+  (tmp_path / "eval_final.json").write_text('{"k": 2}')
+  (tmp_path / "eval_final_samples.jsonl").write_text("old samples\n")
+  recipe._keep_previous_report(path, samples, '{"k": 2}')   # the same report: replaced
+  assert sorted(os.listdir(tmp_path)) == ["eval_final.json", "eval_final_samples.jsonl"]
+  for n in (1, 2):
+    recipe._keep_previous_report(path, samples, '{"k": 8}')
+    assert json.load(open(tmp_path / f"eval_final_{n}.json")) == {"k": 2}
+    assert (tmp_path / f"eval_final_{n}_samples.jsonl").read_text() == "old samples\n"
+    assert not os.path.exists(path) and not os.path.exists(samples)
+    (tmp_path / "eval_final.json").write_text('{"k": 2}')
+    (tmp_path / "eval_final_samples.jsonl").write_text("old samples\n")
 
 
 def test_rl_without_sft_refuses_a_random_model(tmp_path):
