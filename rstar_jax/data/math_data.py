@@ -42,6 +42,7 @@ import math
 import os
 import pathlib
 import unicodedata
+import zlib
 from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from absl import logging
@@ -145,27 +146,61 @@ class LoadResult(Generic[T]):
 _Read = tuple[int, Any, RowError | None]
 
 
-def _open_text(path: pathlib.Path):
-  if path.name.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, "r", encoding="utf-8")
+def _open_bytes(path: pathlib.Path):
+  return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _decode(raw: bytes, path: pathlib.Path, unit_no: int, unit: str) -> str:
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise _NotUtf8(RowError(str(path), unit_no, unit, None,
+                            f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")) from None
+  return text[1:] if unit_no == 1 and text.startswith("\ufeff") else text   # a BOM
+
+
+class _NotUtf8(Exception):
+  def __init__(self, error: RowError):
+    super().__init__(str(error))
+    self.error = error
+
+
+# What a truncated or corrupt (compressed) file raises while it is read.
+_CORRUPT = (EOFError, OSError, zlib.error)
 
 
 def _read_jsonl(path: pathlib.Path) -> Iterator[_Read]:
-  with _open_text(path) as f:
-    for line_no, line in enumerate(f, start=1):
-      if not line.strip():  # Blank lines (e.g. a trailing newline) hold no row.
-        continue
-      try:
-        yield line_no, json.loads(line), None
-      except json.JSONDecodeError as e:
-        yield line_no, None, RowError(str(path), line_no, "line", None,
-                                      f"invalid JSON ({e.msg} at column {e.colno})")
+  line_no = 0
+  try:
+    with _open_bytes(path) as f:
+      for line_no, raw in enumerate(f, start=1):
+        try:
+          line = _decode(raw, path, line_no, "line")
+        except _NotUtf8 as e:   # one bad row, like invalid JSON: on_error decides
+          yield line_no, None, e.error
+          continue
+        if not line.strip():  # Blank lines (e.g. a trailing newline) hold no row.
+          continue
+        try:
+          yield line_no, json.loads(line), None
+        except json.JSONDecodeError as e:
+          yield line_no, None, RowError(str(path), line_no, "line", None,
+                                        f"invalid JSON ({e.msg} at column {e.colno})")
+  except _CORRUPT as e:
+    raise DataError(path=path, message=f"corrupt or truncated after line {line_no} "
+                    f"({type(e).__name__}: {e})") from e
 
 
 def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
-  with _open_text(path) as f:
-    text = f.read()
+  try:
+    with _open_bytes(path) as f:
+      raw = f.read()
+  except _CORRUPT as e:
+    raise DataError(path=path, message=f"corrupt or truncated ({type(e).__name__}: {e})") from e
+  try:
+    text = _decode(raw, path, 1, "byte")
+  except _NotUtf8 as e:
+    raise DataError(path=path, message=e.error.message) from None
   if not text.strip():
     return  # No rows; _load_rows reports the empty file.
   try:
@@ -183,14 +218,20 @@ def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
 
 
 def _read_parquet(path: pathlib.Path) -> Iterator[_Read]:
-  import pyarrow.parquet as pq  # Imported lazily: only Parquet users pay for it.
+  import pyarrow  # Imported lazily: only Parquet users pay for it.
+  import pyarrow.parquet as pq
   if path.stat().st_size == 0:
     return  # A 0-byte file holds no rows; _load_rows reports it (pyarrow's error would not).
   row_no = 0
-  for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-    for row in batch.to_pylist():
-      row_no += 1
-      yield row_no, row, None
+  try:
+    batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+    for batch in batches:
+      for row in batch.to_pylist():
+        row_no += 1
+        yield row_no, row, None
+  except (pyarrow.ArrowException, OSError) as e:
+    raise DataError(path=path, message=f"corrupt or truncated Parquet after row {row_no} "
+                    f"({type(e).__name__}: {e})") from e
 
 
 _READERS: dict[str, tuple[Callable[[pathlib.Path], Iterator[_Read]], str]] = {
@@ -221,6 +262,19 @@ def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
   return out
 
 
+def _uid_prefixes(paths: Sequence[pathlib.Path]) -> dict[pathlib.Path, str]:
+  """Default uids are `<file stem>:<row>`; files that share a stem (aime24/test.jsonl,
+  aime25/test.jsonl) get their path below the common parent instead, so that their
+  rows do not share uids."""
+  counts = collections.Counter(p.stem for p in paths)
+  if max(counts.values()) == 1:
+    return {p: p.stem for p in paths}
+  resolved = [p.resolve() for p in paths]
+  common = pathlib.Path(os.path.commonpath([r.parent for r in resolved]))
+  return {p: str(r.relative_to(common).with_name(r.stem)) if counts[p.stem] > 1 else p.stem
+          for p, r in zip(paths, resolved)}
+
+
 def _load_rows(paths: PathLike | Sequence[PathLike],
                parse: Callable[[dict, str, pathlib.Path, int], T],
                on_error: str, max_reported: int, what: str) -> LoadResult[T]:
@@ -230,7 +284,9 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
   items: list[T] = []
   errors: list[RowError] = []
   num_rows = num_skipped = 0
-  for path in _as_paths(paths):
+  paths = _as_paths(paths)
+  prefix = _uid_prefixes(paths)
+  for path in paths:
     reader, unit = _reader_for(path)
     rows_before = num_rows
     for row_no, row, error in reader(path):
@@ -240,7 +296,7 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
                          f"a row must be a JSON object, got {type(row).__name__}")
       if error is None:
         try:
-          items.append(parse(row, f"{path.stem}:{row_no}", path, row_no))
+          items.append(parse(row, f"{prefix[path]}:{row_no}", path, row_no))
           continue
         except FieldError as e:
           error = RowError(str(path), row_no, unit, e.field, e.message)

@@ -128,6 +128,11 @@ def load_problems(cfg: DataConfig, *, seed: int
            if cfg.train_files else [])
   evals = (math_data.load_math_problems(list(cfg.eval_files), on_error=cfg.on_error).items
            if cfg.eval_files else [])
+  try:   # now, not after every problem has been generated and scored
+    math_data.check_unique_uids(evals)
+  except ValueError as e:
+    raise math_data.DataError(path=", ".join(cfg.eval_files),
+                              message=f"evaluation problems: {e}") from None
   if cfg.integer_only:
     train, dropped = math_data.filter_integer_answers(train)
     logging.info("integer filter dropped %d training problems", len(dropped))

@@ -44,6 +44,8 @@ class CheckpointError(ValueError):
 # ---- config.json -----------------------------------------------------------
 def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
                         **overrides: Any) -> Qwen3Config:
+  if not isinstance(d, dict):
+    raise CheckpointError(f"{where}: expected a JSON object, got {type(d).__name__}")
   missing = [k for k in _REQUIRED if k not in d]
   if missing:
     raise CheckpointError(f"{where}: missing required field(s) {missing}")
@@ -56,8 +58,11 @@ def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
     raise CheckpointError(f"{where}: hidden_act={d['hidden_act']!r}; only 'silu' is supported")
   if d.get("use_sliding_window", False):
     raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
+  for key in ("rope_parameters", "rope_scaling"):
+    if d.get(key) is not None and not isinstance(d[key], dict):
+      raise CheckpointError(f"{where}: {key} must be an object or null, got {d[key]!r}")
   rope = d.get("rope_parameters") or {}
-  if isinstance(rope, dict) and "rope_theta" in rope:
+  if "rope_theta" in rope:
     theta = rope["rope_theta"]
   elif "rope_theta" in d:
     theta = d["rope_theta"]
@@ -67,6 +72,18 @@ def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
                                       else None)
   if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
     raise CheckpointError(f"{where}: rope scaling {scaling} is not supported")
+
+  def number(key, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise CheckpointError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+  def flag(key, default):
+    value = d.get(key, default)
+    if not isinstance(value, bool):   # "false" would read as True
+      raise CheckpointError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
   heads = d["num_attention_heads"]
   fields = dict(
       vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -74,10 +91,11 @@ def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
       num_attention_heads=heads,
       num_key_value_heads=d.get("num_key_value_heads") or heads,
       head_dim=d.get("head_dim") or 128,  # HF Qwen3Config default
-      rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+      rope_theta=number("rope_theta", theta),
+      rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=flag("tie_word_embeddings", False),
       max_position_embeddings=d.get("max_position_embeddings", 32_768),
-      initializer_range=float(d.get("initializer_range", 0.02)),
+      initializer_range=number("initializer_range", d.get("initializer_range", 0.02)),
   )
   fields.update(overrides)
   try:

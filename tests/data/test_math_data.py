@@ -361,3 +361,60 @@ def test_sft_missing_messages(tmp_path):
   path = _write_jsonl(tmp_path / "s.jsonl", [{"conversation": []}])
   with pytest.raises(md.DataError, match="field 'messages': missing"):
     md.load_sft_examples(path)
+
+
+def test_undecodable_and_truncated_files_are_named(tmp_path):
+  """A non-UTF-8 line is one bad row (named; skipped in skip mode, the other rows kept);
+  a truncated .jsonl.gz / .parquet or a non-UTF-8 .json names the file, not a bare
+  UnicodeDecodeError / EOFError / ArrowInvalid. A UTF-8 BOM is not an error."""
+  good = [json.dumps({"problem": f"p{i}", "answer": str(i)}).encode() for i in range(3)]
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(b"\xef\xbb\xbf" + good[0] + b"\n"
+                   + '{"problem": "café", "answer": "1"}'.encode("latin-1") + b"\n"
+                   + good[1] + b"\n" + good[2] + b"\n")
+  with pytest.raises(md.DataError, match=r"latin1.jsonl, line 2: not UTF-8 \(byte 0xe9"):
+    md.load_math_problems(path)
+  result = md.load_math_problems(path, on_error="skip")
+  assert [p.problem for p in result.items] == ["p0", "p1", "p2"] and result.num_skipped == 1
+
+  whole = gzip.compress(b"\n".join(good * 200) + b"\n")
+  gz = tmp_path / "cut.jsonl.gz"
+  gz.write_bytes(whole[: len(whole) // 2])
+  with pytest.raises(md.DataError, match=r"cut.jsonl.gz: corrupt or truncated after line"):
+    md.load_math_problems(gz, on_error="skip")
+
+  js = tmp_path / "rows.json"
+  js.write_bytes(b'[{"problem": "caf\xe9", "answer": "1"}]')
+  with pytest.raises(md.DataError, match=r"rows.json: not UTF-8 \(byte 0xe9"):
+    md.load_math_problems(js)
+
+  pq_path = tmp_path / "cut.parquet"
+  pq.write_table(pa.table({"problem": ["p"] * 100, "answer": ["1"] * 100}), pq_path)
+  pq_path.write_bytes(pq_path.read_bytes()[:-20])
+  with pytest.raises(md.DataError, match=r"cut.parquet: corrupt or truncated Parquet"):
+    md.load_math_problems(pq_path, on_error="skip")
+
+
+def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_load(tmp_path):
+  """aime24/test.jsonl and aime25/test.jsonl both gave uids test:1, test:2, ...: the
+  evaluation then failed after generating everything. Default uids now carry the
+  directory when names clash; ids from the rows that clash in the eval data are refused
+  when the files are loaded."""
+  from rstar_jax.data import sources
+  rows = [{"problem": f"q{i}", "answer": str(i)} for i in range(2)]
+  a = _write_jsonl((tmp_path / "aime24").mkdir() or tmp_path / "aime24" / "test.jsonl", rows)
+  b = _write_jsonl((tmp_path / "aime25").mkdir() or tmp_path / "aime25" / "test.jsonl", rows)
+  c = _write_jsonl(tmp_path / "other.jsonl", rows)
+  uids = [p.uid for p in md.load_math_problems([a, b, c]).items]
+  assert uids == ["aime24/test:1", "aime24/test:2", "aime25/test:1", "aime25/test:2",
+                  "other:1", "other:2"]
+  assert [p.uid for p in md.load_math_problems(a).items] == ["test:1", "test:2"]   # as before
+  _, evals = sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(a), str(b))),
+                                   seed=0)
+  assert len({p.uid for p in evals}) == 4
+  with_ids = [dict(r, id=i) for i, r in enumerate(rows)]
+  x = _write_jsonl(tmp_path / "x.jsonl", with_ids)
+  y = _write_jsonl(tmp_path / "y.jsonl", with_ids)
+  with pytest.raises(md.DataError, match=r"x.jsonl, .*y.jsonl: evaluation problems: 2 duplicate "
+                                         r"uid\(s\), e.g. '0' \(items 0 and 2\)"):
+    sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(x), str(y))), seed=0)

@@ -112,3 +112,21 @@ def test_index_without_weight_map_is_named(ckpt):
     json.dump({"weight_map": ["not", "a", "dict"]}, f)
   with pytest.raises(hf_io.CheckpointError, match="'weight_map' must map tensor names"):
     hf_io.load_hf(d)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_theta": None, "rope_parameters": None}, "rope_theta must be a number, got None"),
+    ({"rms_norm_eps": "1e-6x"}, "rms_norm_eps must be a number, got '1e-6x'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"rope_parameters": [1]}, r"rope_parameters must be an object or null, got \[1\]"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be an object or null, got 'yarn'"),
+])
+def test_config_json_fields_of_the_wrong_type_are_named(edit, message):
+  """A wrong-typed config.json field names the file and the field (it was a bare
+  TypeError / ValueError, and "false" silently tied the embeddings)."""
+  d = dict(hf_io.config_to_hf_dict(CFG, "float32"), **edit)
+  with pytest.raises(hf_io.CheckpointError, match="my/config.json: " + message):
+    hf_io.config_from_hf_dict(d, where="my/config.json")
+  with pytest.raises(hf_io.CheckpointError, match="expected a JSON object, got list"):
+    hf_io.config_from_hf_dict([d], where="my/config.json")
+  assert hf_io.config_from_hf_dict(hf_io.config_to_hf_dict(CFG, "float32")) == CFG
