@@ -109,6 +109,10 @@ class _Unreachable(Exception):
   """Connection-level failure (no reply received): retry / fail over."""
 
 
+class RequestTimedOut(SGLangError):
+  """No reply within the exchange's time limit (the server may still be working on it)."""
+
+
 # ---- Configuration ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
@@ -122,6 +126,8 @@ class ClientConfig:
     startup_timeout_s: how long construction waits for /health.
     probe_interval_s: how often a dead server is probed.
     load_poll_s: how often /v1/loads is read (0: never; local accounting only).
+    poll_timeout_s: limit of one /v1/loads read; a server that does not answer in time
+      leaves rotation until /health answers again.
     flush_retries: /flush_cache attempts while it answers 400.
     pause_mode: SGLang's pause mode for weight updates ("abort", "retract", "in_place").
   """
@@ -134,6 +140,7 @@ class ClientConfig:
   startup_timeout_s: float = 120.0
   probe_interval_s: float = 2.0
   load_poll_s: float = 1.0
+  poll_timeout_s: float = 10.0
   flush_retries: int = 30
   pause_mode: str = "retract"
 
@@ -240,7 +247,9 @@ def parse_generate_reply(reply: Any, request: GenerationRequest, *, rid: str, ur
     ids.append(e[1])
     logps.append(lp)
   out_ids = reply.get("output_ids")
-  if out_ids is not None and list(out_ids) != ids:
+  if out_ids is not None and not isinstance(out_ids, list):
+    raise bad(f"output_ids must be a list of token ids, got {out_ids!r:.80}")
+  if out_ids is not None and out_ids != ids:
     raise bad(f"output_ids ({len(out_ids)} ids) differ from the ids of "
               f"meta_info.output_token_logprobs ({len(ids)})")
   if vocab_size is not None:
@@ -251,6 +260,17 @@ def parse_generate_reply(reply: Any, request: GenerationRequest, *, rid: str, ur
   wv = meta.get("weight_version")
   if wv is not None and not isinstance(wv, str):
     raise bad(f"meta_info.weight_version must be a string, got {wv!r:.50}")
+  spans = meta.get("weight_versions")
+  if spans is not None:
+    # SGLang's per-token spans: a request paused across a weight update (retract /
+    # in_place) has tokens of both, and weight_version names only the last.
+    if not isinstance(spans, list) or not all(
+        isinstance(sp, dict) and isinstance(sp.get("version"), str) for sp in spans):
+      raise bad(f"meta_info.weight_versions must be a list of {{version, start, end}}, "
+                f"got {spans!r:.100}")
+    versions = list(dict.fromkeys(sp["version"] for sp in spans))
+    if len(versions) > 1:
+      wv = " -> ".join(versions)   # never equal to one version: an off-policy turn is seen
   cached = meta.get("cached_tokens", 0)
   if not _is_int(cached):
     raise bad(f"meta_info.cached_tokens must be an integer, got {cached!r:.50}")
@@ -471,16 +491,19 @@ class SGLangEngine:
                   ) -> tuple[int, Any, str]:
     """One exchange. Returns (status, parsed JSON or None, raw text).
 
-    Raises _Unreachable when no reply was received.
+    Raises _Unreachable when no reply was received, RequestTimedOut when none came in
+    `timeout` seconds.
     """
     to = aiohttp.ClientTimeout(total=timeout, sock_connect=self.config.connect_timeout_s)
     try:
       async with self.group.io.session.request(method, self.url + route, json=body,
                                                timeout=to, params=params) as resp:
-        raw = await resp.text()
+        raw = (await resp.read()).decode("utf-8", errors="replace")
         status = resp.status
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
       raise _Unreachable(f"{type(e).__name__}: {e}") from e
+    except asyncio.TimeoutError:   # aiohttp's total limit: not a ClientConnectionError
+      raise RequestTimedOut(f"{self.url}{route}: no reply within {timeout} s") from None
     try:
       parsed = json.loads(raw) if raw else None
     except json.JSONDecodeError:
@@ -499,7 +522,7 @@ class SGLangEngine:
         status, parsed, raw = await self._http(
             method, route, body, params=params,
             timeout=timeout or self.config.admin_timeout_s)
-      except _Unreachable as e:
+      except (_Unreachable, RequestTimedOut) as e:
         if attempt == self.config.retries:
           raise SGLangError(f"{self.url}{route}: unreachable after {attempt + 1} attempts "
                             f"({e})") from None
@@ -566,7 +589,7 @@ class SGLangEngine:
         await asyncio.sleep(delay)
         delay = min(delay * 2, self.config.backoff_max_s)
         continue
-      except asyncio.TimeoutError:
+      except RequestTimedOut:
         asyncio.ensure_future(self._abort_quietly(rid))
         raise SGLangError(f"{self.url}/generate: request {request.request_id} took longer than "
                           f"request_timeout_s={self.config.request_timeout_s}; aborted") from None
@@ -651,7 +674,7 @@ class SGLangEngine:
         if status == 200:
           break
         why = f"HTTP {status}"
-      except _Unreachable as e:
+      except (_Unreachable, RequestTimedOut) as e:
         why = str(e)
       if not wait:
         raise _Unreachable(f"/health: {why}")
@@ -716,9 +739,14 @@ class SGLangEngine:
       if not self.alive:
         continue
       try:
-        status, body, _ = await self._http("GET", "/v1/loads", timeout=10)
-      except _Unreachable as e:
+        status, body, _ = await self._http("GET", "/v1/loads",
+                                           timeout=self.config.poll_timeout_s)
+      except (_Unreachable, RequestTimedOut) as e:
+        # A host that vanished without a reset only times out; /health brings it back.
         self._mark_dead(f"/v1/loads: {e}")
+        continue
+      except Exception as e:   # the poller must outlive any one bad exchange
+        logging.warning("sglang: %s/v1/loads: %s: %s", self.url, type(e).__name__, e)
         continue
       if status == 404:
         logging.warning("sglang: %s has no /v1/loads; free KV from local accounting", self.url)
@@ -806,7 +834,7 @@ class SGLangEngine:
   def health(self) -> bool:
     try:
       return self._run(self._http("GET", "/health", timeout=10), 20)[0] == 200
-    except _Unreachable:
+    except (_Unreachable, RequestTimedOut):
       return False
 
 

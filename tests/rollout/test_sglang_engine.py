@@ -13,9 +13,11 @@ Replies of our real server and whole trajectories are in test_server.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import threading
+import time
 
 from aiohttp import web
 import pytest
@@ -98,6 +100,7 @@ class FakeServer:
     self.weight_version = "default"
     self.report_version = None
     self.healthy = True
+    self.hang = set()   # routes that never answer
     self.flush_answers: list[int] = []
     self.calls: list[tuple[str, object]] = []
     self.loop = asyncio.new_event_loop()
@@ -134,6 +137,8 @@ class FakeServer:
 
   async def _loads(self, request):
     self.calls.append(("/v1/loads", None))
+    if "/v1/loads" in self.hang:
+      await asyncio.sleep(1.5)   # past the client's limit in the test; short for cleanup
     return web.json_response({"loads": [{"num_total_tokens": 0, "max_total_num_tokens": 256}]})
 
   async def _generate(self, request):
@@ -148,6 +153,8 @@ class FakeServer:
       status, payload = out
       if isinstance(payload, str):
         return web.Response(status=status, text=payload)
+      if isinstance(payload, bytes):
+        return web.Response(status=status, body=payload)
       return web.json_response(payload, status=status)
     return web.json_response(out)
 
@@ -159,6 +166,8 @@ class FakeServer:
 
   async def _flush(self, request):
     self.calls.append(("/flush_cache", None))
+    if "/flush_cache" in self.hang:
+      await asyncio.sleep(1.5)   # past the client's limit in the test; short for cleanup
     status = self.flush_answers.pop(0) if self.flush_answers else 200
     return web.Response(status=status, text="flush")
 
@@ -235,11 +244,17 @@ MALFORMED = {
     "positive logprob": lambda b: {"meta_info": {"finish_reason": {"type": "length"},
                                                  "output_token_logprobs": [[3.0, 5, None]]}},
     "outside vocab": lambda b: good_reply(b, ids=(5, 99999)),
+    "output_ids not a list": lambda b: dict(good_reply(b), output_ids=5),
+    "not utf-8": (200, b'{"text": "\xff\xfe"}'),
+    "bad weight spans": lambda b: {**good_reply(b), "meta_info": {
+        **good_reply(b)["meta_info"], "weight_versions": [["v1", 0, 3]]}},
 }
 WHAT = {"not json": "not JSON", "no meta_info": "no meta_info", "no logprobs":
         "output_token_logprobs missing", "bad entry": r"output_token_logprobs\[0\]",
         "ids differ": "output_ids", "unknown finish": "finish_reason",
-        "positive logprob": "not <= 0", "outside vocab": "outside the vocabulary"}
+        "positive logprob": "not <= 0", "outside vocab": "outside the vocabulary",
+        "output_ids not a list": "output_ids must be a list", "not utf-8": "no meta_info",
+        "bad weight spans": "weight_versions must be a list of"}
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
@@ -255,6 +270,52 @@ def test_malformed_reply_is_a_clear_error_and_never_resent(fakes, tmp_path, case
     assert fake.url in str(info.value)
     assert fake.generates() == 1
     assert eng.alive   # a bad reply is not a dead server
+  finally:
+    eng.stop()
+
+
+def test_a_turn_that_spans_a_weight_update_names_both_versions(fakes):
+  """SGLang's weight_version is the last span's: a request paused across an update
+  (retract / in_place) has tokens of both, which must not pass as on-policy."""
+  spans = [{"version": "v1", "start": 0, "end": 2}, {"version": "v2", "start": 2, "end": 3}]
+  fake = fakes(lambda b: {**good_reply(b, version="v2"), "meta_info": {
+      **good_reply(b, version="v2")["meta_info"], "weight_versions": spans}})
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    assert run(eng.generate(REQ)).weight_version == "v1 -> v2"
+    fake.generate = lambda b: {**good_reply(b, version="v2"), "meta_info": {
+        **good_reply(b, version="v2")["meta_info"], "weight_versions": spans[1:]}}
+    assert run(eng.generate(REQ)).weight_version == "v2"
+  finally:
+    eng.stop()
+
+
+def test_exchanges_that_time_out_are_named_and_a_silent_server_leaves_rotation(fakes):
+  """aiohttp's total limit raises asyncio.TimeoutError, which is no connection error: it
+  escaped as a bare TimeoutError and ended the /v1/loads poller for good."""
+  fake = fakes()
+  cfg = dataclasses.replace(FAST, admin_timeout_s=0.3, poll_timeout_s=0.3, load_poll_s=0.05,
+                            retries=0)
+  [eng] = se.connect([fake.url], config=cfg)
+  try:
+    fake.hang.add("/flush_cache")
+    with pytest.raises(se.SGLangError, match=r"/flush_cache: .*no reply within 0.3 s"):
+      eng.flush_cache()
+    fake.healthy = False   # so that the probe keeps it out once the poller drops it
+    fake.hang.add("/v1/loads")
+    deadline = time.monotonic() + 10
+    while eng.alive and time.monotonic() < deadline:
+      time.sleep(0.02)
+    assert not eng.alive and "/v1/loads: " in eng.dead_reason \
+        and "no reply within 0.3 s" in eng.dead_reason
+    fake.healthy = True
+    fake.hang.discard("/v1/loads")
+    while not eng.alive and time.monotonic() < deadline:   # probed back; the poller lives on
+      time.sleep(0.02)
+    assert eng.alive
+    polls = sum(r == "/v1/loads" for r, _ in fake.calls)
+    time.sleep(0.5)
+    assert sum(r == "/v1/loads" for r, _ in fake.calls) > polls
   finally:
     eng.stop()
 
