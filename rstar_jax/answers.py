@@ -152,7 +152,10 @@ def parse_integer(answer: str) -> int | None:
   """The integer an answer states literally (after `normalize_answer`), else None."""
   s = normalize_answer(answer)
   if _INT_RE.fullmatch(s):
-    return int(s)
+    try:
+      return int(s)
+    except ValueError:   # more digits than Python converts (4300): no integer answer
+      return None
   return None
 
 

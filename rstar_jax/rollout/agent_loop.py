@@ -143,8 +143,11 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
       traj.tool_statuses["parse_error" if result is None else result.get("status", "?")] += 1
       responses.append(proto.tool_response_text(call, result))
     tool_ids = proto.tool_turn_ids(out.output_ids, responses)
-    if len(traj.response_ids) + len(tool_ids) >= cfg.max_response_tokens:
-      traj.finish_reason = "length"   # no room for the tool turn and another model turn
+    length = len(traj.response_ids) + len(tool_ids)
+    if length >= cfg.max_response_tokens or (room and len(traj.prompt_ids) + length >= room):
+      # No room for the tool turn and another model turn (in the response budget or the
+      # engine's context): the last turn stays the model's.
+      traj.finish_reason = "length"
       break
     traj.response_ids += tool_ids
     traj.response_mask += [0] * len(tool_ids)

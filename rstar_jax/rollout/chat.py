@@ -423,10 +423,14 @@ def _parse_call(raw: str, tool_name: str, prefix: str) -> ToolCall:
   def fail(message: str, name: str | None = None) -> ToolCall:
     return ToolCall(name=name, error=prefix + message, raw=raw)
 
+  # ValueError covers JSONDecodeError and Python's limit on integer digits (a number
+  # of > 4300 digits); degenerate repetition also nests brackets past the recursion
+  # limit. Both are the model's malformed call, never the rollout's crash.
   try:
     obj = json.loads(raw.strip())
-  except json.JSONDecodeError as e:
-    return fail(str(e))
+  except (ValueError, RecursionError) as e:
+    return fail(str(e) if isinstance(e, json.JSONDecodeError) else
+                f"invalid JSON ({type(e).__name__}: {str(e)[:200]})")
   if not isinstance(obj, dict):
     return fail(f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got '
                 f"{type(obj).__name__}")
@@ -441,8 +445,8 @@ def _parse_call(raw: str, tool_name: str, prefix: str) -> ToolCall:
   if isinstance(args, str):  # OpenAI style: arguments as a JSON string.
     try:
       args = json.loads(args)
-    except json.JSONDecodeError as e:
-      return fail(f"'arguments' is a string that is not valid JSON: {e}", name)
+    except (ValueError, RecursionError) as e:
+      return fail(f"'arguments' is a string that is not valid JSON: {str(e)[:200]}", name)
   if not isinstance(args, dict):
     return fail(f"'arguments' must be a JSON object, got {type(args).__name__}", name)
   code = args.get("code")
@@ -582,7 +586,14 @@ class ChatProtocol:
     """Parses the ids the model generated in one assistant turn."""
     text = self.tokenizer.decode(generated_ids, skip_special_tokens=False)
     parsed = parse_tool_calls(text, self.config)
-    return dataclasses.replace(parsed, stop=self.stop_reason(generated_ids))
+    stop = self.stop_reason(generated_ids)
+    if stop == "tool_call" and not parsed.calls:
+      # Stopped at </tool_call> with no call opened (a misspelled opening tag, bare
+      # JSON): a malformed call, answered with its error, not a final answer.
+      parsed = dataclasses.replace(parsed, calls=(ToolCall(
+          error=f"{self.config.parse_error_prefix}{TOOL_CALL_END} without {TOOL_CALL_START}",
+          raw=text),))
+    return dataclasses.replace(parsed, stop=stop)
 
   def tool_response_text(self, call: ToolCall, result: Mapping[str, Any] | None = None) -> str:
     """The (truncated) text returned to the model for one call: the parse error of a
@@ -593,6 +604,9 @@ class ChatProtocol:
       if result is None:
         raise ValueError("tool_response_text: a runnable call needs its sandbox result")
       text = render_executor_result(result, self.config)
+    # A lone surrogate (an exception message built with chr(0xd800)) survives JSON
+    # but not the tokenizer: escape it rather than fail the rollout.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return truncate_middle(text, self.config.response_max_chars, self.config.truncation_marker)
 
   @staticmethod

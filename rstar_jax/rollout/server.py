@@ -50,6 +50,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -99,7 +100,8 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
+  """A finite number (json.loads accepts NaN and Infinity)."""
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # ---- The engine with abort and pause -------------------------------------------------
@@ -268,8 +270,9 @@ class RolloutServer:
       raise RequestError("empty request body (expected a JSON object)")
     try:
       body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise RequestError(f"request body is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:   # also > 4300-digit numbers, deep nesting
+      raise RequestError(f"request body is not JSON: {type(e).__name__}: {str(e)[:200]}"
+                         ) from None
     if not isinstance(body, dict):
       raise RequestError(f"invalid type: expected a JSON object, got {type(body).__name__}")
     return body
@@ -414,9 +417,11 @@ class RolloutServer:
       body = await self._json(request)
     except RequestError as e:
       return self._error(str(e))
-    rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
+    rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
     if not isinstance(rid, str):
       return self._error("rid must be a string")
+    if not isinstance(abort_all, bool):   # "false" would abort every request
+      return self._error(f"abort_all must be true or false, got {abort_all!r}")
     await self._abort(None if abort_all else rid)
     return web.Response(status=200)
 
@@ -474,7 +479,10 @@ class RolloutServer:
       return fail("weight_version must be a string")
     if body.get("load_format") not in (None, "auto", "safetensors"):
       return fail(f"load_format {body['load_format']!r} is not supported by this server")
-    if body.get("abort_all_requests"):
+    abort_all = body.get("abort_all_requests", False)
+    if not isinstance(abort_all, bool):
+      return fail(f"abort_all_requests must be true or false, got {abort_all!r}")
+    if abort_all:
       await self._abort(None)
     paused = self.paused
     if not paused:   # SGLang's model-update writer lock: running requests finish first

@@ -174,6 +174,13 @@ def test_normalize_answer_strips_only_enclosing_braces(answer, expected):
   assert rewards.normalize_answer(answer) == expected
 
 
+def test_an_answer_of_more_digits_than_python_converts_is_not_an_integer():
+  """int() refuses > 4300 digits: the reward raised and stopped the whole step."""
+  huge = "1" * 5000
+  assert rewards.parse_integer(huge) is None
+  assert rewards.is_correct(huge, "12") is False
+
+
 def test_brace_set_answers_are_not_integers():
   assert rewards.parse_integer("\\{204\\}") is None
   assert rewards.is_correct("{1}{2}", "12") is False

@@ -523,3 +523,23 @@ def test_context_longer_than_the_engine_ends_as_truncated(proto):
   tiny = _RecordingEngine(max_len=len(prompt))
   t = asyncio.run(run_trajectory(tiny, None, proto, "What is 2+2?", cfg, seed=0))
   assert tiny.requests == [] and t.finish_reason == "length" and t.response_ids == []
+
+
+def test_a_tool_turn_that_would_overflow_the_engine_ends_the_trajectory(tok, proto):
+  """The tool turn was checked against the response budget only: with a long prompt it
+  pushed the trajectory past the engine's max_len and left a tool turn last (the batch
+  builder then refused the step)."""
+  problem = "What is 6 * 7?"
+  turn = call_turn(tok, "Let me compute.", "not json")   # a parse error: no sandbox needed
+  script = make_script(proto, problem, [turn, answer_turn(tok, proto, 42)], seed=3)
+  engine = ScriptedEngine([script])
+  engine.max_len = len(script.prompt_ids) + len(turn) + 3
+  cfg = AgentConfig(max_turns=3, max_response_tokens=500)   # the budget alone has room
+  t = asyncio.run(run_trajectory(engine, None, proto, problem, cfg, seed=0))
+  assert t.finish_reason == "length" and t.truncated
+  assert t.response_ids == turn and t.response_mask == [1] * len(turn)   # the model's turn last
+  assert len(t.prompt_ids) + len(t.response_ids) <= engine.max_len
+  engine = ScriptedEngine([make_script(proto, problem, [turn, answer_turn(tok, proto, 42)], 3)])
+  engine.max_len = 4096   # room: the same turns go on to the answer
+  t = asyncio.run(run_trajectory(engine, None, proto, problem, cfg, seed=0))
+  assert t.finish_reason == "stop" and t.num_turns == 2

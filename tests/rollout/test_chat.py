@@ -126,6 +126,13 @@ def test_parse_input_and_string_arguments():
     ('{"name": "python", "arguments": [1]}', "'arguments' must be a JSON object"),
     ('{"name": "python", "arguments": "{bad"}', "'arguments' is a string that is not valid"),
     ("[1, 2]", "expected a JSON object"),
+    # Degenerate repetition: Python's integer-digit limit and the recursion limit
+    # raised ValueError / RecursionError out of the rollout.
+    ('{"name": "python", "arguments": {"code": "x", "n": ' + "1" * 5000 + "}}",
+     "invalid JSON (ValueError: Exceeds the limit"),
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON (RecursionError"),
+    ('{"name": "python", "arguments": "{\\"n\\": ' + "1" * 5000 + '}"}',
+     "'arguments' is a string that is not valid JSON: Exceeds the limit"),
 ])
 def test_malformed_calls_become_tool_errors(tok, proto, body, message):
   turn = proto.parse_turn(tok.encode(f"Try.\n<tool_call>\n{body}\n</tool_call>"))
@@ -143,6 +150,26 @@ def test_unclosed_call_is_a_parse_error(tok, proto):
   assert turn.stop == "end_of_turn"
   (call,) = turn.calls
   assert not call.ok and "<tool_call> without </tool_call>" in call.error
+
+
+def test_a_closing_tag_without_an_opening_one_is_a_parse_error(tok, proto):
+  """The engine stops at </tool_call>: a turn that ends there with no call opened (a
+  misspelled opening tag) was taken as a final answer the model never closed."""
+  turn = proto.parse_turn(tok.encode('<toolcall>{"name": "python"}</tool_call>'))
+  assert turn.stop == "tool_call" and turn.wants_tool
+  (call,) = turn.calls
+  assert not call.ok and call.error.endswith("</tool_call> without <tool_call>")
+  assert proto.is_tool_error(call)
+
+
+def test_a_lone_surrogate_in_a_tool_result_reaches_the_model_escaped(tok, proto):
+  call = chat.parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "1"}}'
+                               "</tool_call>", small_config()).calls[0]
+  result = {"status": "error", "stdout": "", "stderr": "", "error_type": "ValueError",
+            "error_message": "x" + chr(0xD800)}
+  text = proto.tool_response_text(call, result)
+  assert "\\ud800" in text
+  assert proto.tool_turn_ids(tok.encode("<tool_call>"), [text])   # tokenises
 
 
 def test_several_calls_respect_max_parallel_calls(tok):

@@ -169,6 +169,26 @@ def test_unknown_sampling_key_refused_with_sglangs_error(served, sglang_schema):
   assert status == 400 and "not JSON" in text
 
 
+def test_non_finite_numbers_huge_or_deep_bodies_and_string_flags_are_400s(served):
+  """json.loads takes NaN (a NaN temperature gave NaN log-probs), > 4300-digit numbers and
+  deep nesting raised past the handlers (500s), and "false" was a true abort_all."""
+  url = served["servers"]["a"].url
+  body = se.generate_body(GenerationRequest(input_ids=[1, 2], max_new_tokens=2), rid="nan")
+  text = json.dumps(body).replace('"temperature": 1.0', '"temperature": NaN')
+  assert "NaN" in text
+  status, reply = post(url, "/generate", text.encode())
+  assert status == 400 and "temperature must be a number >= 0, got nan" in reply
+  for route in ("/abort_request", "/pause_generation", "/update_weights_from_disk", "/generate"):
+    for raw in (b'{"rid": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+      status, reply = post(url, route, raw)
+      assert status == 400 and "not JSON" in reply, (route, status, reply[:200])
+  status, reply = post(url, "/abort_request", {"rid": "x", "abort_all": "false"})
+  assert status == 400 and "abort_all must be true or false, got 'false'" in reply
+  status, reply = post(url, "/update_weights_from_disk",
+                       {"model_path": "/nowhere", "abort_all_requests": "false"})
+  assert status == 400 and "abort_all_requests must be true or false" in reply
+
+
 def test_weight_update_from_disk(served, sglang_schema):
   c = served["servers"]["c"]
   exchanges = []
