@@ -612,8 +612,12 @@ class ChatProtocol:
   @staticmethod
   def is_tool_error(call: ToolCall, result: Mapping[str, Any] | None = None) -> bool:
     """A call errs when it cannot be parsed or its sandbox status is not 'ok'
-    (structured status, not the release's substring test)."""
-    return call.error is not None or result is None or result.get("status") != "ok"
+    (structured status, not the release's substring test). `internal_error` is the
+    sandbox failing, not the code: it is no error of the model's (RoC's p_err must
+    not penalise a positive for an outage)."""
+    if call.error is not None or result is None:
+      return True
+    return result.get("status") not in ("ok", "internal_error")
 
   def tool_turn_ids(self, generated_ids: Sequence[int], responses: Sequence[str]) -> list[int]:
     """Ids to append after the model's turn `generated_ids`: every one is a tool-side

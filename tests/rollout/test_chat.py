@@ -305,6 +305,8 @@ def test_stream_then_response_truncation(proto):
   assert response.endswith("execution time: 0.01s")
   assert not proto.is_tool_error(call, ok_result())
   assert proto.is_tool_error(call, {"status": "timeout"})
+  assert proto.is_tool_error(call, {"status": "memory_exceeded"})
+  assert not proto.is_tool_error(call, {"status": "internal_error"})   # the sandbox's fault
   with pytest.raises(ValueError, match="needs its sandbox result"):
     proto.tool_response_text(call)
 
