@@ -373,6 +373,7 @@ def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str) -> list[str
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
                             stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
                             progress=True, desc="stage3 filter")
+  rollouts.raise_if_failed([t for g in groups for t in g], "stage-3 filter")
   records = eval_lib.records_from([t for g in groups for t in g])
   uids = eval_metrics.unsolved_problems(records, k=stage_cfg.hard_k)
   os.makedirs(os.path.dirname(cache), exist_ok=True)

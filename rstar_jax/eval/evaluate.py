@@ -50,6 +50,7 @@ def evaluate(engine, tools, proto, tokenizer, problems, cfg: EvalConfig, *,
                             agent=cfg.agent, stream=stream, progress=progress,
                             desc=dataset or "eval")
   trajs = [t for g in groups for t in g]
+  rollouts.raise_if_failed(trajs, f"evaluation {dataset}".strip())
   ks = sorted({1, cfg.k} | {x for x in (2, 4, 8, 16) if x < cfg.k})
   report = metrics.compute_report(records_from(trajs), temperature=cfg.agent.temperature,
                                   top_p=cfg.agent.top_p, ks=ks, dataset=dataset,

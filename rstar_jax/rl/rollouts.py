@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 from typing import Sequence
 
+from absl import logging
 import numpy as np
 
 from rstar_jax.data import math_data
@@ -42,16 +43,29 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
             problems: Sequence[math_data.MathProblem], *, k: int,
             agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
             desc: str = "rollouts") -> list[list[agent_loop.Trajectory]]:
-  """k scored trajectories per problem, grouped by problem (in order)."""
+  """k scored trajectories per problem, grouped by problem (in order).
+
+  A trajectory the engine failed (`Trajectory.failed`) is run once more with the same
+  seed; one that fails again is returned failed (reward 0): RL drops its group,
+  evaluation refuses to report (`raise_if_failed`)."""
   items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
+  seeds = trajectory_seeds(stream, len(items))
   bar = None
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=len(items), desc=desc, unit="traj")
   try:
     trajs = run_sync(agent_loop.run_many(
-        engine, tools, proto, items, agent, seeds=trajectory_seeds(stream, len(items)),
+        engine, tools, proto, items, agent, seeds=seeds,
         progress=(lambda _: bar.update(1)) if bar is not None else None))
+    again = [i for i, t in enumerate(trajs) if t.failed]
+    if again:
+      logging.warning("%s: %d of %d trajectories failed (first: %s %s); running them again",
+                      desc, len(again), len(trajs), trajs[again[0]].uid, trajs[again[0]].error)
+      retried = run_sync(agent_loop.run_many(engine, tools, proto, [items[i] for i in again],
+                                             agent, seeds=[seeds[i] for i in again]))
+      for i, t in zip(again, retried):
+        trajs[i] = t
   finally:
     if bar is not None:
       bar.close()
@@ -64,6 +78,32 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
       t.meta["problem_uid"] = p.uid
     groups.append(group)
   return groups
+
+
+def raise_if_failed(trajs: Sequence[agent_loop.Trajectory], where: str) -> None:
+  """Where every sample must count (an evaluation, the stage-3 filter), a trajectory the
+  engine failed twice stops the run, naming it, rather than scoring as a wrong answer."""
+  failed = [t for t in trajs if t.failed]
+  if failed:
+    raise RuntimeError(f"{where}: {len(failed)} of {len(trajs)} trajectories failed in the "
+                       f"engine twice (first: {failed[0].uid}: {failed[0].error})")
+
+
+def drop_failed_groups(groups: Sequence[Sequence[agent_loop.Trajectory]], where: str
+                       ) -> tuple[list[list[agent_loop.Trajectory]], int]:
+  """(the groups without a failed trajectory, how many were dropped). A group with a
+  trajectory the engine failed twice is not a sample of the policy, and its advantages
+  would be skewed without it: the whole group goes. Raises if none is left."""
+  kept = [list(g) for g in groups if not any(t.failed for t in g)]
+  dropped = len(groups) - len(kept)
+  if dropped:
+    first = next(t for g in groups for t in g if t.failed)
+    logging.warning("%s: %d of %d groups dropped: a trajectory failed in the engine (first: "
+                    "%s: %s)", where, dropped, len(groups), first.uid, first.error)
+    if not kept:
+      raise RuntimeError(f"{where}: every group has a trajectory the engine failed (first: "
+                         f"{first.uid}: {first.error})")
+  return kept, dropped
 
 
 def check_weight_versions(trajs: Sequence[agent_loop.Trajectory], version: str | None,

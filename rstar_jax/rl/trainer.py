@@ -231,9 +231,11 @@ class RLTrainer:
     t0 = time.perf_counter()
     groups = self.rollouts(batch, step)
     t_roll = time.perf_counter() - t0
+    groups, failed = rollouts.drop_failed_groups(groups, f"step {step}")
     flat = [t for g in groups for t in g]
     rollouts.check_weight_versions(flat, self.version, f"step {step}")
     metrics = rollouts.metrics(flat)
+    metrics["rollout/failed_groups"] = float(failed)
     self.last_trajectories = flat
 
     stats = [[rollouts.rollout_stats(t) for t in g] for g in groups]

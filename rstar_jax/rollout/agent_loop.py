@@ -11,6 +11,8 @@ Stops:
   * the response budget (model + tool tokens) runs out ("length"). A tool turn that
     would not fit is dropped, so the last turn is always the model's.
 "max_turns" and "length" trajectories are marked truncated (reward 0, SPEC.md sec. 3).
+A request the engine could not serve (`RequestFailed`: a malformed reply, an abort, a
+timeout) ends its trajectory as "error" (`failed`, `error` says why); the others go on.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 from typing import Any, Mapping, Protocol, Sequence
 
 from rstar_jax.rollout import chat
-from rstar_jax.rollout.engine import Engine, GenerationRequest
+from rstar_jax.rollout.engine import Engine, GenerationRequest, RequestFailed
 
 
 class ToolExecutor(Protocol):
@@ -65,10 +67,16 @@ class Trajectory:
   # than one means the weights changed mid-trajectory.
   weight_versions: list[str] = dataclasses.field(default_factory=list)
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  error: str = ""   # why a failed trajectory failed
 
   @property
   def truncated(self) -> bool:
     return self.finish_reason in ("length", "max_turns")
+
+  @property
+  def failed(self) -> bool:
+    """The engine could not serve one of its requests: not a sample of the policy."""
+    return self.finish_reason == "error"
 
   @property
   def num_turns(self) -> int:
@@ -108,7 +116,12 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
         top_k=cfg.top_k, seed=_turn_seed(seed, traj.num_turns),
         request_id=f"{uid}/turn{traj.num_turns}", continue_ids=proto.continue_ids)
     t0 = time.perf_counter()
-    out = await engine.generate(req)
+    try:
+      out = await engine.generate(req)
+    except RequestFailed as e:
+      traj.generate_s += time.perf_counter() - t0
+      traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+      break
     traj.generate_s += time.perf_counter() - t0
     start = len(traj.response_ids)
     traj.response_ids += out.output_ids

@@ -50,6 +50,11 @@ class GenerationResult:
   weight_version: str | None = None   # the policy weights it was generated with, if known
 
 
+class RequestFailed(RuntimeError):
+  """One request failed (a malformed reply, an abort, a refusal, a timeout) and the
+  engine goes on: the agent loop ends that trajectory as failed ("error") instead of
+  failing every trajectory of the batch."""
+
 
 class Engine(Protocol):
   """One generation backend (or a pool of them: `EnginePool` speaks this too)."""

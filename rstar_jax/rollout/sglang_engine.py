@@ -62,7 +62,7 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 from absl import logging
 
-from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
+from rstar_jax.rollout.engine import GenerationRequest, GenerationResult, RequestFailed
 
 SGLANG_VERSION = "0.5.23"
 _DEAD_FREE_KV = -(1 << 40)   # what a server out of rotation reports to the scheduler
@@ -77,11 +77,11 @@ class SGLangError(RuntimeError):
   """Base of the errors of the SGLang client."""
 
 
-class MalformedReplyError(SGLangError):
+class MalformedReplyError(SGLangError, RequestFailed):
   """A server reply that does not have the shape of SGLang 0.5.23's API."""
 
 
-class ServerRequestError(SGLangError):
+class ServerRequestError(SGLangError, RequestFailed):
   """The server refused a request (HTTP 4xx/5xx other than the transient ones)."""
 
   def __init__(self, message: str, status: int):
@@ -93,7 +93,7 @@ class ServerMismatchError(SGLangError):
   """The server's model or vocabulary is not the trainer's."""
 
 
-class GenerationAborted(SGLangError):
+class GenerationAborted(SGLangError, RequestFailed):
   """The server aborted the request (`/abort_request`, a pause in abort mode)."""
 
   def __init__(self, message: str, partial: GenerationResult | None = None):
@@ -109,7 +109,7 @@ class _Unreachable(Exception):
   """Connection-level failure (no reply received): retry / fail over."""
 
 
-class RequestTimedOut(SGLangError):
+class RequestTimedOut(SGLangError, RequestFailed):
   """No reply within the exchange's time limit (the server may still be working on it)."""
 
 
@@ -591,7 +591,7 @@ class SGLangEngine:
         continue
       except RequestTimedOut:
         asyncio.ensure_future(self._abort_quietly(rid))
-        raise SGLangError(f"{self.url}/generate: request {request.request_id} took longer than "
+        raise RequestTimedOut(f"{self.url}/generate: request {request.request_id} took longer than "
                           f"request_timeout_s={self.config.request_timeout_s}; aborted") from None
       except asyncio.CancelledError:
         asyncio.ensure_future(self._abort_quietly(rid))

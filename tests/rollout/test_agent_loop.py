@@ -543,3 +543,62 @@ def test_a_tool_turn_that_would_overflow_the_engine_ends_the_trajectory(tok, pro
   engine.max_len = 4096   # room: the same turns go on to the answer
   t = asyncio.run(run_trajectory(engine, None, proto, problem, cfg, seed=0))
   assert t.finish_reason == "stop" and t.num_turns == 2
+
+
+class _FlakyEngine:
+  """Answers `\\boxed{4}` at once (sampling-free: the same ids whatever the seed), and
+  fails the first `fails[uid]` requests of a trajectory as an SGLang server would."""
+  max_len = 4096
+
+  def __init__(self, tok, proto, fails):
+    self.answer = answer_turn(tok, proto, 4)
+    self.fails, self.seen = dict(fails), []
+
+  async def generate(self, request):
+    from rstar_jax.rollout.engine import RequestFailed
+    await asyncio.sleep(0)
+    uid = request.request_id.rsplit("/", 1)[0]
+    self.seen.append((uid, request.seed))
+    if self.fails.get(uid, 0) > 0:
+      self.fails[uid] -= 1
+      raise RequestFailed(f"bad reply for {uid}")
+    return GenerationResult(request_id=request.request_id, output_ids=list(self.answer),
+                            logprobs=[-0.5] * len(self.answer), finish_reason="stop",
+                            prompt_tokens=len(request.input_ids), reused_prefix_tokens=0,
+                            queue_wait_s=0.0)
+
+
+def test_a_failed_request_fails_its_trajectory_only_and_collect_runs_it_again(tok, proto):
+  """One request-level failure (RequestFailed) used to fail the whole batch through
+  asyncio.gather, losing every other trajectory. Now its trajectory ends "error", the
+  others finish; `collect` runs the failed ones again with the same seed, and returns a
+  twice-failed one as failed (RL drops its group, evaluation refuses to report)."""
+  from rstar_jax.data.math_data import MathProblem
+  from rstar_jax.rl import rollouts
+  problems = [MathProblem(f"p{i}", "What is 2 + 2?", "4", "test") for i in range(3)]
+  cfg = AgentConfig(max_turns=2, max_response_tokens=64)
+  engine = _FlakyEngine(tok, proto, {"p1#0": 1})
+  trajs = asyncio.run(run_many(engine, None, proto, [("p1#0", "What is 2 + 2?"),
+                                                     ("p0#0", "What is 2 + 2?")], cfg,
+                               seeds=[11, 12]))
+  assert trajs[0].failed and trajs[0].error == "RequestFailed: bad reply for p1#0"
+  assert not trajs[1].failed and trajs[1].finish_reason == "stop"
+
+  engine = _FlakyEngine(tok, proto, {"p1#0": 1, "p2#1": 2})
+  groups = rollouts.collect(engine, None, proto, tok, problems, k=2, agent=cfg, stream=(0, 1))
+  flat = [t for g in groups for t in g]
+  assert [t.uid for t in flat] == ["p0#0", "p0#1", "p1#0", "p1#1", "p2#0", "p2#1"]
+  assert [t.failed for t in flat] == [False, False, False, False, False, True]
+  assert [t.reward for t in flat] == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+  # The retry used the trajectory's own seed.
+  assert [s for u, s in engine.seen if u == "p1#0"] == [s for u, s in engine.seen
+                                                        if u == "p1#0"][:1] * 2
+  with pytest.raises(RuntimeError, match=r"evaluation: 1 of 6 trajectories failed in the "
+                                         r"engine twice \(first: p2#1: RequestFailed: bad"):
+    rollouts.raise_if_failed(flat, "evaluation")
+  rollouts.raise_if_failed(flat[:5], "evaluation")
+  kept, dropped = rollouts.drop_failed_groups(groups, "step 1")   # what an RL step trains on
+  assert dropped == 1 and [[t.uid for t in g] for g in kept] == [["p0#0", "p0#1"],
+                                                                 ["p1#0", "p1#1"]]
+  with pytest.raises(RuntimeError, match="step 1: every group has a trajectory the engine"):
+    rollouts.drop_failed_groups(groups[2:], "step 1")

@@ -23,7 +23,7 @@ from aiohttp import web
 import pytest
 
 from rstar_jax.rollout import sglang_engine as se
-from rstar_jax.rollout.engine import GenerationRequest
+from rstar_jax.rollout.engine import GenerationRequest, RequestFailed
 from rstar_jax.rollout.server import SAMPLING_FIELDS
 
 from tests.rollout.conftest import free_port
@@ -268,6 +268,7 @@ def test_malformed_reply_is_a_clear_error_and_never_resent(fakes, tmp_path, case
     with pytest.raises(se.MalformedReplyError, match=WHAT[case]) as info:
       run(eng.generate(REQ))
     assert fake.url in str(info.value)
+    assert isinstance(info.value, RequestFailed)   # the agent loop fails that trajectory only
     assert fake.generates() == 1
     assert eng.alive   # a bad reply is not a dead server
   finally:
