@@ -390,9 +390,9 @@ class Outcome:
   detail: str = ""
 
 
-# Exit statuses of a child stopped by Ctrl-C: the recipe's 130 (128 + SIGINT) after it
-# saved, or killed by the signal itself.
-_INTERRUPTED = (128 + signal.SIGINT, -signal.SIGINT)
+# Exit statuses of a child stopped by Ctrl-C or SIGTERM (a preemption): the recipe's
+# 128 + signal after it saved, or killed by the signal itself.
+_INTERRUPTED = tuple(x for s in (signal.SIGINT, signal.SIGTERM) for x in (128 + s, -s))
 
 
 def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,

@@ -203,15 +203,16 @@ def test_run_skip_and_failure(fake, tmp_path):
 def test_a_point_stopped_by_ctrl_c_is_interrupted_not_failed(tmp_path):
   """A child that saved and exited 130 (or died of SIGINT) resumes on a rerun: the
   sweep says so instead of reporting a failure with exit status 130."""
-  points = sweep.make_points([{"a": 1}, {"a": 2}, {"a": 3}], str(tmp_path))
+  points = sweep.make_points([{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}], str(tmp_path))
   codes = {points[0].name: "sys.exit(130)", points[1].name: "sys.exit(3)",
-           points[2].name: "os.kill(os.getpid(), signal.SIGINT)"}
+           points[2].name: "os.kill(os.getpid(), signal.SIGINT)",
+           points[3].name: "sys.exit(143)"}   # saved after a SIGTERM (a preemption)
   argv_of = lambda p: [sys.executable, "-c",
                        "import os, signal, sys\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
                        + codes[p.name]]
   lines = []
   out = sweep.run_points(points, argv_of, workers=1, log=lines.append)
-  assert [o.status for o in out] == ["interrupted", "failed", "interrupted"]
+  assert [o.status for o in out] == ["interrupted", "failed", "interrupted", "interrupted"]
   assert any("interrupted a=1" in l and "a rerun resumes it" in l for l in lines), lines
   assert any("FAILED a=2: exit status 3" in l for l in lines), lines
   assert not any("FAILED a=1" in l or "FAILED a=3" in l for l in lines), lines

@@ -165,6 +165,14 @@ class _NotUtf8(Exception):
     self.error = error
 
 
+def _json_error(e: Exception) -> str:
+  """json.loads' error as a row's reason: JSONDecodeError, or the ValueError of a number
+  of > 4300 digits, or the RecursionError of deep nesting."""
+  if isinstance(e, json.JSONDecodeError):
+    return f"invalid JSON ({e.msg} at column {e.colno})"
+  return f"invalid JSON ({type(e).__name__}: {str(e)[:200]})"
+
+
 # What a truncated or corrupt (compressed) file raises while it is read.
 _CORRUPT = (EOFError, OSError, zlib.error)
 
@@ -182,10 +190,11 @@ def _read_jsonl(path: pathlib.Path) -> Iterator[_Read]:
         if not line.strip():  # Blank lines (e.g. a trailing newline) hold no row.
           continue
         try:
-          yield line_no, json.loads(line), None
-        except json.JSONDecodeError as e:
-          yield line_no, None, RowError(str(path), line_no, "line", None,
-                                        f"invalid JSON ({e.msg} at column {e.colno})")
+          row = json.loads(line)
+        except (ValueError, RecursionError) as e:
+          yield line_no, None, RowError(str(path), line_no, "line", None, _json_error(e))
+          continue
+        yield line_no, row, None
   except _CORRUPT as e:
     raise DataError(path=path, message=f"corrupt or truncated after line {line_no} "
                     f"({type(e).__name__}: {e})") from e
@@ -205,9 +214,9 @@ def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
     return  # No rows; _load_rows reports the empty file.
   try:
     data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise DataError(RowError(str(path), e.lineno, "line", None,
-                             f"invalid JSON ({e.msg} at column {e.colno})")) from e
+  except (ValueError, RecursionError) as e:
+    raise DataError(RowError(str(path), getattr(e, "lineno", 1), "line", None,
+                             _json_error(e))) from e
   if isinstance(data, dict) and isinstance(data.get("data"), list):
     data = data["data"]
   if not isinstance(data, list):
@@ -264,15 +273,18 @@ def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
 
 def _uid_prefixes(paths: Sequence[pathlib.Path]) -> dict[pathlib.Path, str]:
   """Default uids are `<file stem>:<row>`; files that share a stem (aime24/test.jsonl,
-  aime25/test.jsonl) get their path below the common parent instead, so that their
-  rows do not share uids."""
+  aime25/test.jsonl) get their path below the common parent instead (with its suffix
+  where that is what tells them apart: a.jsonl, a.parquet), so that their rows do not
+  share uids. Paths are not resolved: a symlink (a hub cache) keeps its own name."""
   counts = collections.Counter(p.stem for p in paths)
   if max(counts.values()) == 1:
     return {p: p.stem for p in paths}
-  resolved = [p.resolve() for p in paths]
-  common = pathlib.Path(os.path.commonpath([r.parent for r in resolved]))
-  return {p: str(r.relative_to(common).with_name(r.stem)) if counts[p.stem] > 1 else p.stem
-          for p, r in zip(paths, resolved)}
+  absolute = [pathlib.Path(os.path.abspath(p)) for p in paths]
+  common = pathlib.Path(os.path.commonpath([a.parent for a in absolute]))
+  rel = {p: a.relative_to(common) for p, a in zip(paths, absolute)}
+  out = {p: str(rel[p].with_name(p.stem)) if counts[p.stem] > 1 else p.stem for p in paths}
+  clash = collections.Counter(out.values())
+  return {p: str(rel[p]) if clash[v] > 1 else v for p, v in out.items()}
 
 
 def _load_rows(paths: PathLike | Sequence[PathLike],

@@ -73,8 +73,8 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   for i, p in enumerate(problems):
     group = trajs[i * k:(i + 1) * k]
     for t in group:
-      t.reward = rewards.compute_reward(t.model_text(tokenizer), p.answer,
-                                        truncated=t.truncated)
+      t.reward = 0.0 if t.failed else rewards.compute_reward(
+          t.model_text(tokenizer), p.answer, truncated=t.truncated)
       t.meta["problem_uid"] = p.uid
     groups.append(group)
   return groups

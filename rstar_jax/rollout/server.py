@@ -101,7 +101,12 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
   """A finite number (json.loads accepts NaN and Infinity)."""
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+  if isinstance(x, bool) or not isinstance(x, (int, float)):
+    return False
+  try:
+    return math.isfinite(float(x))
+  except OverflowError:   # an int past float's range
+    return False
 
 
 # ---- The engine with abort and pause -------------------------------------------------

@@ -413,6 +413,7 @@ class SGLangEngine:
     self.model_info: dict[str, Any] = {}
     self.weight_version: str | None = None
     self._inflight: dict[str, int] = {}     # rid -> reserved KV tokens
+    self._syncing = 0   # weight loads in progress: /v1/loads is not polled meanwhile
     # Requests picked for this engine but not yet registered by the I/O thread: the pool
     # picks a burst of requests synchronously, and without these every one of them
     # would see the same free KV and go to the same engine.
@@ -506,7 +507,7 @@ class SGLangEngine:
       raise RequestTimedOut(f"{self.url}{route}: no reply within {timeout} s") from None
     try:
       parsed = json.loads(raw) if raw else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):   # also > 4300-digit numbers, deep nesting
       parsed = None
     if self.on_exchange is not None:
       self.on_exchange(route, body, status, parsed if parsed is not None else raw)
@@ -522,7 +523,7 @@ class SGLangEngine:
         status, parsed, raw = await self._http(
             method, route, body, params=params,
             timeout=timeout or self.config.admin_timeout_s)
-      except (_Unreachable, RequestTimedOut) as e:
+      except _Unreachable as e:   # a timeout is not retried: the call may still be running
         if attempt == self.config.retries:
           raise SGLangError(f"{self.url}{route}: unreachable after {attempt + 1} attempts "
                             f"({e})") from None
@@ -736,7 +737,7 @@ class SGLangEngine:
   async def _poll_loads(self):
     while not self._stopped:
       await asyncio.sleep(self.config.load_poll_s)
-      if not self.alive:
+      if not self.alive or self._syncing:   # a server loading weights may answer slowly
         continue
       try:
         status, body, _ = await self._http("GET", "/v1/loads",
@@ -798,6 +799,13 @@ class SGLangEngine:
                       f"{self.config.flush_retries} attempts: {raw[:200]}")
 
   async def _sync_from_disk(self, model_path: str, weight_version: str) -> float:
+    self._syncing += 1
+    try:
+      return await self._sync_from_disk_once(model_path, weight_version)
+    finally:
+      self._syncing -= 1
+
+  async def _sync_from_disk_once(self, model_path: str, weight_version: str) -> float:
     t0 = time.perf_counter()
     await self._admin("POST", "/pause_generation", pause_body(self.config.pause_mode))
     try:

@@ -376,6 +376,12 @@ def test_undecodable_and_truncated_files_are_named(tmp_path):
     md.load_math_problems(path)
   result = md.load_math_problems(path, on_error="skip")
   assert [p.problem for p in result.items] == ["p0", "p1", "p2"] and result.num_skipped == 1
+  huge = _write_jsonl(tmp_path / "huge.jsonl", [good[0].decode(),
+                                                '{"problem": "x", "answer": ' + "1" * 5000 + "}",
+                                                "[" * 100_000])
+  result = md.load_math_problems(huge, on_error="skip")   # a row each, not a traceback
+  assert len(result.items) == 1 and [e.message[:30] for e in result.errors] == [
+      "invalid JSON (ValueError: Exce", "invalid JSON (RecursionError: "]
 
   whole = gzip.compress(b"\n".join(good * 200) + b"\n")
   gz = tmp_path / "cut.jsonl.gz"
@@ -409,6 +415,9 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   assert uids == ["aime24/test:1", "aime24/test:2", "aime25/test:1", "aime25/test:2",
                   "other:1", "other:2"]
   assert [p.uid for p in md.load_math_problems(a).items] == ["test:1", "test:2"]   # as before
+  pq.write_table(pa.table({"problem": ["q9"], "answer": ["9"]}), tmp_path / "other.parquet")
+  assert [p.uid for p in md.load_math_problems([c, tmp_path / "other.parquet"]).items] == [
+      "other.jsonl:1", "other.jsonl:2", "other.parquet:1"]
   _, evals = sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(a), str(b))),
                                    seed=0)
   assert len({p.uid for p in evals}) == 4

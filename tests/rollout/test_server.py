@@ -178,6 +178,9 @@ def test_non_finite_numbers_huge_or_deep_bodies_and_string_flags_are_400s(served
   assert "NaN" in text
   status, reply = post(url, "/generate", text.encode())
   assert status == 400 and "temperature must be a number >= 0, got nan" in reply
+  text = json.dumps(body).replace('"temperature": 1.0', '"temperature": ' + "9" * 400)
+  status, reply = post(url, "/generate", text.encode())
+  assert status == 400 and "temperature must be a number >= 0" in reply
   for route in ("/abort_request", "/pause_generation", "/update_weights_from_disk", "/generate"):
     for raw in (b'{"rid": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
       status, reply = post(url, route, raw)
