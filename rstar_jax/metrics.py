@@ -54,13 +54,21 @@ class MetricsWriter:
     return flat
 
   def truncate_after(self, step: int) -> None:
-    """Drops lines past `step` (a resumed run rewrites them)."""
+    """Drops lines past `step` (a resumed run rewrites them), and a line a kill cut off
+    part-way. Written whole or not at all (a kill here keeps the old file)."""
     if not self.enabled or not os.path.exists(self.path):
       return
+    kept = []
     with open(self.path) as f:
-      lines = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
-    with open(self.path, "w") as f:
-      f.writelines(lines)
+      for line in f:
+        try:
+          if json.loads(line)["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):   # a torn last line
+          continue
+    with open(self.path + ".tmp", "w") as f:
+      f.writelines(kept)
+    os.replace(self.path + ".tmp", self.path)
 
   def close(self):
     if self._tb is not None:

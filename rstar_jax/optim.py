@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -54,6 +55,23 @@ def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   if warm == 0:
     return cosine
   return optax.join_schedules([lambda s: cfg.learning_rate * (s + 1) / warm, cosine], [warm])
+
+
+def schedule_count(opt_state) -> jax.Array:
+  """The optimizer's own update count (carried over from an earlier stage, not advanced
+  by skipped steps): the learning-rate schedule is evaluated at it, not at the
+  trainer's step."""
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+           if isinstance(s, optax.ScaleByScheduleState)]
+  if not found:
+    raise ValueError("schedule_count: no schedule state in the optimizer state")
+  return found[0].count
+
+
+def applied_learning_rate(cfg: OptimizerConfig, count_after: int) -> float:
+  """The rate of the update that brought the count to `count_after`."""
+  return float(make_schedule(cfg)(max(int(count_after) - 1, 0)))
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:

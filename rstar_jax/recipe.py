@@ -558,9 +558,16 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
   reports: dict[str, Any] = {}
   model = None
 
+  # Process 0's view decides for all (as in the trainers): DONE.json is written by
+  # process 0 alone, so another process could read the file system before it lands
+  # and skip the optimizer carry-over; a signal may reach one process only.
   def check_stop(done: str):
-    if stop.requested and done != todo[-1]:
-      raise interrupt.Interrupted(stop.signum, after=f"stage {done}")
+    if distributed.share_from_main(stop.requested) and done != todo[-1]:
+      raise interrupt.Interrupted(stop.signum or signal.SIGTERM, after=f"stage {done}")
+
+  def last_done(before: str) -> str | None:
+    return distributed.share_from_main(_last_done(workdir, before)
+                                       if distributed.is_main() else None)
 
   for stage in todo:
     if stage == "eval":
@@ -568,7 +575,7 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
     sft_eval_only = stage == "sft" and bool(_done(workdir, "sft"))   # see `plan`
     if sft_eval_only:
       model = load_stage_model(ctx, "sft")
-    prev = _last_done(workdir, stage)
+    prev = last_done(stage)
     if model is None:
       model = load_stage_model(ctx, prev) if prev else initial_model(cfg, ctx.tokenizer,
                                                                      ctx.mesh, ctx.rules)
@@ -585,7 +592,7 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
     check_stop(stage)
   if "eval" in todo:
     if model is None:
-      prev = _last_done(workdir, "eval")
+      prev = last_done("eval")
       model = load_stage_model(ctx, prev) if prev else initial_model(
           cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
     reports["final"] = run_eval(ctx, model, "final")

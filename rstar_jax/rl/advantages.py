@@ -44,8 +44,8 @@ class AdvantageConfig:
 
   def __post_init__(self):
     get(self.estimator)  # Raises with the known names.
-    if not (self.eps >= 0 and math.isfinite(self.eps)):
-      raise ValueError(f"AdvantageConfig.eps must be finite and >= 0, got {self.eps}")
+    if not (self.eps > 0 and math.isfinite(self.eps)):   # 0: an all-equal group is 0/0
+      raise ValueError(f"AdvantageConfig.eps must be finite and > 0, got {self.eps}")
     if self.std_ddof not in (0, 1):
       raise ValueError(f"AdvantageConfig.std_ddof must be 0 or 1, got {self.std_ddof}")
 

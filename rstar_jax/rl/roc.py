@@ -271,7 +271,9 @@ def _roc(group: Sequence[RolloutStats], config: DownsampleConfig,
   keep = config.group_size
   pos, neg = _split(group)
   if config.positive_selection == "topk":
-    k_pos, k_neg = _proportional_counts(pos.size, neg.size, keep, config.topk_min_per_side)
+    # More than keep // 2 a side cannot hold for both (it kept more than G rollouts).
+    k_pos, k_neg = _proportional_counts(pos.size, neg.size, keep,
+                                        min(config.topk_min_per_side, keep // 2))
     pos_pen = _penalties(group, pos, config)
     kept_pos = pos[np.argsort(pos_pen, kind="stable")[:k_pos]]
     if config.topk_negative_order == "penalty":

@@ -130,6 +130,7 @@ class RLTrainer:
   def maybe_restore(self) -> bool:
     """Resumes from this stage's latest checkpoint, if any."""
     if self.ckpt.latest_step() is None:
+      self.writer.truncate_after(0)   # rows of a run killed before its first checkpoint
       return False
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
     self.data.restore(meta["data"])
@@ -196,11 +197,12 @@ class RLTrainer:
                             stream=(self.seed, step))
 
   def run_step(self) -> dict[str, float]:
-    data_before = self.data.state()
+    data_before, step_before = self.data.state(), self.step
     try:
       return self._run_step()
     except BaseException:
-      self.data.restore(data_before)   # the unfinished step's batch is drawn again
+      if self.step == step_before:   # not updated: the step's batch is drawn again
+        self.data.restore(data_before)
       raise
 
   def _run_step(self) -> dict[str, float]:
@@ -282,15 +284,19 @@ class RLTrainer:
         np.savez(path, **arrays)
       raise FloatingPointError(f"step {step}: loss={m['loss']} grad_norm={m['grad_norm']}; "
                                f"batch saved to {path}; last checkpoint is intact")
+    # State, step count and data position move together, before the weight sync: a
+    # sync that fails (a server, a full disk, a second Ctrl-C) leaves a state that the
+    # exit's checkpoint saves as step + 1, not as this step on updated parameters.
     self.state = new_state
+    self.step += 1
     self._state_ok = True
-    self._sync_weights(step + 1)
+    self._sync_weights(self.step)
     metrics.update(getattr(self.engines, "sync_metrics", dict)())
     metrics.update({f"train/{k}": float(v) for k, v in m.items()})
-    metrics["train/learning_rate"] = float(optim.make_schedule(config.optimizer)(step))
+    metrics["train/learning_rate"] = optim.applied_learning_rate(
+        config.optimizer, distributed.host_value(optim.schedule_count(self.state.opt_state)))
     metrics["time/train_s"] = time.perf_counter() - t1
     metrics["update/skipped"] = 0.0
-    self.step += 1
     return metrics
 
   # ---- the loop --------------------------------------------------------------------

@@ -126,6 +126,7 @@ class SFTTrainer:
 
   def maybe_restore(self) -> bool:
     if self.ckpt.latest_step() is None:
+      self.writer.truncate_after(0)   # rows of a run killed before its first checkpoint
       return False
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
     self.step = int(meta["step"])

@@ -73,3 +73,10 @@ def test_validation_and_registry():
   with pytest.raises(ValueError, match="1-D"):
     adv.group_advantages([[1.0, 0.0]])
   assert {"grpo", "dr_grpo"} <= set(adv.ESTIMATORS)
+
+
+def test_eps_must_be_positive():
+  """eps 0 turned an all-equal group into 0 / 0 = NaN advantages."""
+  with pytest.raises(ValueError, match="eps must be finite and > 0, got 0"):
+    AdvantageConfig(eps=0.0)
+  assert list(adv.group_advantages([1.0, 1.0, 1.0], AdvantageConfig())) == [0.0, 0.0, 0.0]

@@ -368,3 +368,13 @@ def test_downsample_rejects_bad_input():
     roc.downsample([[_pos(), {"reward": 1}]], DownsampleConfig(), np.random.default_rng(0))
   with pytest.raises(TypeError, match="Generator"):
     roc.downsample([_group(2, 2)], DownsampleConfig(), 0)
+
+
+def test_topk_keeps_at_most_g_whatever_its_minimum_per_side():
+  """A minimum above G // 2 a side made the release's counts negative (7 of 8 kept for
+  G = 3 with a minimum of 4)."""
+  group = [_pos(calls=1, errors=0) for _ in range(4)] + [_neg() for _ in range(4)]
+  for minimum in (0, 1, 2, 4, 9):
+    config = DownsampleConfig(group_size=3, positive_selection="topk", topk_min_per_side=minimum)
+    kept = roc.select_group(group, config, np.random.default_rng(0))
+    assert len(kept) == 3 and len(set(kept)) == 3, (minimum, kept)
