@@ -23,6 +23,7 @@ The machine may be shared: the load average is printed with the results. Not a t
 nothing is asserted.
 """
 import asyncio
+import atexit
 import os
 import shutil
 import statistics
@@ -108,6 +109,8 @@ def main(argv):
                                  tie_word_embeddings=True)
   model = qwen3.create_model(cfg, seed=0)
   root = tempfile.mkdtemp(prefix="bench_server_")
+  # The export and every weight sync's checkpoint (~1 GB a run): gone when the run ends.
+  atexit.register(shutil.rmtree, root, ignore_errors=True)
   hf_dir = os.path.join(root, "model")
   hf_io.save_hf(model, hf_dir, dtype="float32")
   ecfg = EngineConfig(num_slots=FLAGS.slots, max_len=FLAGS.max_len)

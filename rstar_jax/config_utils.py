@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import sys
 import types
@@ -218,8 +219,17 @@ def _load_config_file(spec: str):
   if mod_spec is None or mod_spec.loader is None:
     raise ConfigError(f"--config: cannot load config file {path!r}")
   module = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  try:
+    mod_spec.loader.exec_module(module)
+  except (ImportError, SyntaxError) as e:
+    raise ConfigError(f"--config {path}: cannot import it ({type(e).__name__}: {e})") from None
+  get_config = getattr(module, "get_config", None)
+  if get_config is None:
+    raise ConfigError(f"--config {path}: defines no get_config()")
+  if arg and not inspect.signature(get_config).parameters:
+    raise ConfigError(f"--config {spec}: {path} has no variants (its get_config() takes "
+                      f"no argument); drop ':{arg}'")
+  return get_config(arg) if arg else get_config()
 
 
 def _config_path_from_argv(argv: Sequence[str], name: str) -> str | None:

@@ -187,6 +187,16 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
   return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
+def _make_workdir(path: str) -> str:
+  workdir = os.path.abspath(path)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:   # a file there or above it, no permission
+    raise config_utils.ConfigError(f"config.workdir={workdir}: cannot use it as the run's "
+                                   f"directory ({type(e).__name__}: {e.strerror or e})") from None
+  return workdir
+
+
 def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
   """Writes the resolved config to <workdir>/config.json; returns the workdir and the
   config file that holds this run's config.
@@ -194,12 +204,7 @@ def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
   A different config.json already there while stages are finished or have a checkpoint
   to resume from: refused (they were made with the old one), naming every changed key;
   with allow_config_change the new one goes beside it (config_<n>.json), never over it."""
-  workdir = os.path.abspath(cfg.workdir)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:   # a file there or above it, no permission
-    raise config_utils.ConfigError(f"config.workdir={workdir}: cannot use it as the run's "
-                                   f"directory ({type(e).__name__}: {e.strerror or e})") from None
+  workdir = _make_workdir(cfg.workdir)
   text = resolved_json(cfg)
   path = os.path.join(workdir, "config.json")
   done = [s for s in ALL_STAGES[:-1] if _started(workdir, s)]
@@ -354,20 +359,45 @@ def run_sft(ctx: Context, model):
   return model
 
 
-def hard_subset(ctx: Context, model, stage_cfg: RLStage) -> list:
-  """Training problems the current policy does not solve k out of k (SPEC.md sec. 5)."""
-  cache = os.path.join(ctx.workdir, "stage3", "hard_subset.json")
+def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
+  """Training problems the current policy does not solve k out of k (SPEC.md sec. 5).
+
+  Kept in <workdir>/<stage>/hard_subset.json with what made it (k, pool, seed, agent
+  settings, the model it was filtered with): a resumed stage reuses it, anything else
+  filters again."""
+  cache = os.path.join(ctx.workdir, stage, "hard_subset.json")
   by_uid = {p.uid: p for p in ctx.train_problems}
-  if os.path.exists(cache):
-    with open(cache) as f:
-      return [by_uid[u] for u in json.load(f)["uids"]]
-  engines = ctx.engines_for(model, "stage3-filter")   # every process: a collective export
+  prev = _last_done(ctx.workdir, stage)
+  made_with = json.loads(json.dumps({
+      "k": stage_cfg.hard_k, "pool": stage_cfg.hard_pool or len(ctx.train_problems),
+      "seed": ctx.config.seed, "agent": dataclasses.asdict(stage_cfg.agent),
+      "model": [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
+                ctx.config.model.hf_dir]}, default=str))
+  cached = _read_json(cache) if distributed.is_main() else None
+  if distributed.share_from_main(bool(cached) and cached.get("made_with") == made_with
+                                 and all(u in by_uid for u in cached.get("uids", ()))):
+    uids = distributed.share_from_main(cached["uids"] if distributed.is_main() else None)
+    return [by_uid[u] for u in uids]
+  if distributed.is_main() and cached is not None:
+    logging.warning("%s: %s was made with other settings or data; filtering again", stage, cache)
+  engines = ctx.engines_for(model, f"{stage}-filter")   # every process: a collective export
   uids = distributed.share_from_main(
-      _unsolved(ctx, engines, stage_cfg, cache) if distributed.is_main() else None)
+      _unsolved(ctx, engines, stage_cfg, cache, made_with) if distributed.is_main() else None)
   return [by_uid[u] for u in uids]
 
 
-def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str) -> list[str]:
+def _read_json(path: str) -> dict | None:
+  """The JSON object at `path`; None if there is none or it is torn."""
+  try:
+    with open(path) as f:
+      obj = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return obj if isinstance(obj, dict) else None
+
+
+def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
+              made_with: dict) -> list[str]:
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
   groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
@@ -377,8 +407,9 @@ def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str) -> list[str
   records = eval_lib.records_from([t for g in groups for t in g])
   uids = eval_metrics.unsolved_problems(records, k=stage_cfg.hard_k)
   os.makedirs(os.path.dirname(cache), exist_ok=True)
-  with open(cache, "w") as f:
-    json.dump({"uids": uids, "pool": len(pool), "k": stage_cfg.hard_k}, f)
+  with open(cache + ".tmp", "w") as f:
+    json.dump({"uids": uids, "pool": len(pool), "k": stage_cfg.hard_k, "made_with": made_with}, f)
+  os.replace(cache + ".tmp", cache)
   logging.info("stage 3: %d of %d problems not solved %d/%d", len(uids), len(pool),
                stage_cfg.hard_k, stage_cfg.hard_k)
   return uids
@@ -389,7 +420,7 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
   sc: RLStage = getattr(c, stage)
   problems = ctx.train_problems
   if sc.hard_only:
-    problems = hard_subset(ctx, model, sc)
+    problems = hard_subset(ctx, model, stage, sc)
     if len(problems) < c.rl.prompts_per_step:
       logging.warning("%s: only %d hard problems; padding the pool with the rest", stage,
                       len(problems))
@@ -458,12 +489,17 @@ def _keep_previous_report(path: str, samples: str, text: str) -> None:
 
 
 # ---- orchestration -------------------------------------------------------------------
-def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[str]:
-  """The stages this run will execute, in order; says which are done or skipped."""
+def _check_stages(stages: Sequence[str] | None) -> list[str]:
   wanted = list(stages or ALL_STAGES)
   unknown = sorted(set(wanted) - set(ALL_STAGES))
   if unknown:
     raise config_utils.ConfigError(f"stages: unknown {unknown}; known {list(ALL_STAGES)}")
+  return wanted
+
+
+def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[str]:
+  """The stages this run will execute, in order; says which are done or skipped."""
+  wanted = _check_stages(stages)
   todo = []
   for stage in ALL_STAGES:
     if stage not in wanted:
@@ -517,9 +553,22 @@ def _tools(cfg: RecipeConfig):
   return contextlib.nullcontext(None)
 
 
+def _check_files(cfg: RecipeConfig) -> None:
+  """Data files named in the config exist: said now, not after the sandbox has started
+  and the model (14B) has loaded."""
+  named = [("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files),
+           ("sft.data.files", cfg.sft.data.files)]
+  for key, files in named:
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+      raise config_utils.ConfigError(f"config.{key}: no such file(s) {missing}")
+
+
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
   cfg = build_config(config)
+  _check_stages(stages)   # before the workdir and config.json are written
+  _check_files(cfg)
   hf_dir = cfg.model.hf_dir
   if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
     # Said now, not after the sandbox and engines have started.
@@ -622,6 +671,8 @@ def evaluate_hf_dir(config, hf_dir: str):
   start_distributed(cfg)
   if not os.path.exists(os.path.join(hf_dir, "config.json")):
     raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
+  _check_files(cfg)
+  workdir = _make_workdir(cfg.workdir)
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
     tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)
   elif cfg.tokenizer.kind == "hf":
@@ -631,8 +682,6 @@ def evaluate_hf_dir(config, hf_dir: str):
         f"--hf_dir {hf_dir} has no tokenizer.json, and config.tokenizer.kind='toy' would "
         "train a new tokenizer that does not match it; set --config.tokenizer.kind=hf "
         "--config.tokenizer.path=DIR")
-  workdir = os.path.abspath(cfg.workdir)
-  os.makedirs(workdir, exist_ok=True)
   with _tools(cfg) as tools:
     ctx = build_context(cfg, tools, workdir, tokenizer=tok)
     model = hf_io.load_hf(hf_dir, mesh=ctx.mesh, rules=ctx.rules, **runtime_overrides(cfg))

@@ -436,3 +436,73 @@ def test_rl_interrupted_and_resumed_matches_uninterrupted(recipe_dir, straight_r
     ckpt.close()
     _run(d, *RL_ARGS)
   _assert_same_metrics(straight_rl, _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl")))
+
+
+def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_path, monkeypatch):
+  """The stage-3 filter's cache was reused whatever made it (another hard_k, pool,
+  seed or model), shared by every stage, and written in place (a torn file failed
+  every later run)."""
+  import types
+  from rstar_jax import recipe
+  from rstar_jax.data.math_data import MathProblem
+  from rstar_jax.rollout.agent_loop import AgentConfig
+  problems = [MathProblem(f"p{i}", "q", "1", "t") for i in range(6)]
+  ctx = types.SimpleNamespace(
+      workdir=str(tmp_path), train_problems=problems, engines_for=lambda *a, **k: None,
+      config=types.SimpleNamespace(seed=0, model=types.SimpleNamespace(hf_dir="")))
+  calls = []
+
+  def fake_unsolved(ctx, engines, stage_cfg, cache, made_with):
+    calls.append(stage_cfg.hard_k)
+    uids = [p.uid for p in problems[:stage_cfg.hard_k]]
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    with open(cache, "w") as f:
+      json.dump({"uids": uids, "made_with": made_with}, f)
+    return uids
+  monkeypatch.setattr(recipe, "_unsolved", fake_unsolved)
+  stage = lambda k: recipe.RLStage(num_steps=1, hard_only=True, hard_k=k, agent=AgentConfig())
+  assert len(recipe.hard_subset(ctx, None, "stage3", stage(2))) == 2
+  assert len(recipe.hard_subset(ctx, None, "stage3", stage(2))) == 2 and calls == [2]  # reused
+  assert len(recipe.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3]
+  assert len(recipe.hard_subset(ctx, None, "stage2", stage(3))) == 3 and calls == [2, 3, 3]
+  assert os.path.exists(tmp_path / "stage2" / "hard_subset.json")   # a file per stage
+  (tmp_path / "stage3" / "hard_subset.json").write_text('{"uids": ["p0"')   # torn
+  assert len(recipe.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3, 3, 3]
+  os.makedirs(tmp_path / "stage2", exist_ok=True)
+  (tmp_path / "stage2" / "DONE.json").write_text('{"steps": 4}')   # another model now
+  recipe.hard_subset(ctx, None, "stage3", stage(3))
+  assert calls == [2, 3, 3, 3, 3]
+
+
+def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):
+  from experiments.configs import toy
+  from rstar_jax import config_utils, recipe
+  c = toy.get_config("smoke")
+  c.workdir = str(tmp_path / "run")
+  with pytest.raises(config_utils.ConfigError, match=r"stages: unknown \['bogus'\]"):
+    recipe.run(c, stages=["bogus"])
+  c.data.kind, c.data.eval_files = "files", (str(tmp_path / "nope.jsonl"),)
+  with pytest.raises(config_utils.ConfigError, match=r"config.data.eval_files: no such file"):
+    recipe.run(c)
+  assert not os.path.exists(tmp_path / "run")   # no workdir, no config.json
+  c = toy.get_config("smoke")
+  c.workdir = str(tmp_path / "afile")
+  (tmp_path / "afile").write_text("")
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(config_utils.ConfigError, match="cannot use it as the run's directory"):
+    recipe.evaluate_hf_dir(c, str(tmp_path))   # was a bare FileExistsError
+
+
+def test_config_files_without_variants_or_get_config_are_config_errors(tmp_path):
+  from rstar_jax import config_utils
+  plain = tmp_path / "plain.py"
+  plain.write_text("import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict()\n")
+  with pytest.raises(config_utils.ConfigError, match="has no variants.*drop ':smoke'"):
+    config_utils._load_config_file(f"{plain}:smoke")
+  assert config_utils._load_config_file(str(plain)).to_dict() == {}
+  (tmp_path / "empty.py").write_text("x = 1\n")
+  with pytest.raises(config_utils.ConfigError, match="defines no get_config"):
+    config_utils._load_config_file(str(tmp_path / "empty.py"))
+  (tmp_path / "broken.py").write_text("import not_a_module_here\n")
+  with pytest.raises(config_utils.ConfigError, match="cannot import it"):
+    config_utils._load_config_file(str(tmp_path / "broken.py"))
