@@ -25,8 +25,8 @@ from absl import app, flags
 from experiments import results_json
 from sandbox.launcher import free_port
 
-flags.DEFINE_integer("repeats", 3, "interleaved repeats of each measurement")
-flags.DEFINE_integer("steps", 10, "timed train steps per gpu_smoke run")
+flags.DEFINE_integer("repeats", 3, "interleaved repeats of each measurement", lower_bound=1)
+flags.DEFINE_integer("steps", 10, "timed train steps per gpu_smoke run", lower_bound=1)
 flags.DEFINE_string("smoke_args", "--tiny", "gpu_smoke model flags (e.g. '--preset tiny "
                     "--batch 8 --seq 256')")
 flags.DEFINE_string("mesh", "data=1,fsdp=4,tensor=2", "the mesh of both step runs")

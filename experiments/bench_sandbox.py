@@ -42,7 +42,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "fewer calls per cell (smoke check, noisier figures)")
 flags.DEFINE_integer("max_children", 32, "server --max-children")
 flags.DEFINE_float("spin_timeout", 1.0, "deadline of the spinners in the lateness test (s)")
-flags.DEFINE_integer("spin_rounds", 4, "rounds of 32 concurrent spinners")
+flags.DEFINE_integer("spin_rounds", 4, "rounds of 32 concurrent spinners", lower_bound=1)
 flags.DEFINE_bool("baseline", True, "also measure (a); --nobaseline reports the service alone")
 flags.DEFINE_list("server_args", [], "extra `python -m sandbox.server` flags, e.g. --server_args=--nice=10")
 flags.DEFINE_string("out", "/tmp/bench_sandbox.json", "where the figures go as JSON")

@@ -46,8 +46,9 @@ flags.DEFINE_integer("prompt_len", 64, "(a) prompt tokens per request")
 flags.DEFINE_integer("new_tokens", 64, "(a) generated tokens per request")
 flags.DEFINE_integer("slots", 16, "(a) KV slots per engine")
 flags.DEFINE_integer("max_len", 256, "(a) KV length per slot")
-flags.DEFINE_integer("repeats", 3, "(a) timed runs per side, after one warm-up each")
-flags.DEFINE_integer("syncs", 3, "(b) weight syncs per dtype")
+flags.DEFINE_integer("repeats", 3, "(a) timed runs per side, after one warm-up each",
+                     lower_bound=1)
+flags.DEFINE_integer("syncs", 3, "(b) weight syncs per dtype", lower_bound=1)
 flags.DEFINE_integer("sync_hidden", 1024, "(b) hidden size of the synced model (fixed costs "
                      "are amortised over its bytes: ~0.23 GB in bf16 at the defaults)")
 flags.DEFINE_integer("sync_layers", 4, "(b) its layers")

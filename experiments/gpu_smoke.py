@@ -28,8 +28,9 @@ from experiments import roofline
 flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("batch", 8, "trajectories per step")
 flags.DEFINE_integer("seq", 1024, "tokens per trajectory (prompt + response)")
-flags.DEFINE_integer("steps", 5, "timed steps (after one compile step)")
-flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation steps per update")
+flags.DEFINE_integer("steps", 5, "timed steps (after one compile step)", lower_bound=1)
+flags.DEFINE_integer("micro_batches", 1, "gradient-accumulation steps per update",
+                     lower_bound=1)
 flags.DEFINE_string("mesh", "fsdp=-1", "mesh axes, e.g. 'fsdp=-1' or 'data=2,fsdp=4,tensor=1'")
 flags.DEFINE_float("peak_tflops", 0.0, "per-device dense peak for MFU (0: measure a matmul)")
 flags.DEFINE_string("remat", "", "override the model's remat_policy (e.g. full)")

@@ -30,7 +30,8 @@ from rstar_jax import config_utils
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file",
                                           lock_config=True)
-_EVERY = flags.DEFINE_integer("every", 200, "probe every N SFT steps (and at the end)")
+_EVERY = flags.DEFINE_integer("every", 200, "probe every N SFT steps (and at the end)",
+                              lower_bound=1)
 _PROBE = flags.DEFINE_integer("probe_problems", 256, "held-out clean traces to score")
 _SAVE = flags.DEFINE_string("save", "", "export the final model (HF layout) here")
 

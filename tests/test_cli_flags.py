@@ -1,0 +1,22 @@
+"""Zero counts are refused when the flags are parsed, not after a benchmark's work
+(they raised StatisticsError / IndexError / ZeroDivisionError at the end)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("cmd", [
+    ["-m", "experiments.bench_model", "--repeats=0"],
+    ["-m", "experiments.gpu_smoke", "--micro_batches=0"],
+    ["experiments/bench_sandbox.py", "--spin_rounds=0"],
+])
+def test_zero_counts_are_flag_errors(cmd):
+  out = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"), timeout=120)
+  flag = cmd[-1].split("=")[0]
+  assert out.returncode != 0 and f"flag {flag}=0: 0 is not a positive integer" in out.stderr
+  assert "Traceback" not in out.stderr
