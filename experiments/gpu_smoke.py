@@ -49,7 +49,11 @@ def _mesh_shape(spec: str) -> dict[str, int]:
     key, sep, value = part.partition("=")
     if not sep:
       raise ValueError(f"--mesh {spec!r}: expected axis=size pairs, got {part!r}")
-    out[key.strip()] = int(value)
+    try:
+      out[key.strip()] = int(value)
+    except ValueError:
+      raise ValueError(f"--mesh {spec!r}: the size of {key.strip()!r} must be an integer, "
+                       f"got {value!r}") from None
   return out
 
 
@@ -79,14 +83,18 @@ def main(argv):
                                   num_hidden_layers=2, vocab_size=512)
     batch_n, seq = 4, 64
   else:
-    cfg = model_config.get_preset(FLAGS.preset)
     batch_n, seq = FLAGS.batch, FLAGS.seq
   dtype = "bfloat16" if accel else "float32"
   overrides = {"dtype": dtype, "param_dtype": "float32"}
   if FLAGS.remat:
     overrides["remat_policy"] = FLAGS.remat
-  cfg = cfg.replace(**overrides)
-  mesh = sharding.make_mesh(_mesh_shape(FLAGS.mesh))
+  try:   # a bad --preset / --remat / --mesh is one line, not a traceback
+    if not FLAGS.tiny:
+      cfg = model_config.get_preset(FLAGS.preset)
+    cfg = cfg.replace(**overrides)
+    mesh = sharding.make_mesh(_mesh_shape(FLAGS.mesh))
+  except (ValueError, KeyError) as e:
+    sys.exit(f"gpu_smoke: {e}")
   rows = core.batch_multiple(FLAGS.micro_batches, mesh)
   if batch_n % rows:
     sys.exit(f"--batch {batch_n} must be a multiple of {rows} (micro-batches x data x fsdp)")

@@ -20,3 +20,15 @@ def test_zero_counts_are_flag_errors(cmd):
   flag = cmd[-1].split("=")[0]
   assert out.returncode != 0 and f"flag {flag}=0: 0 is not a positive integer" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tiny", "--mesh", "fsdp=x"], "the size of 'fsdp' must be an integer, got 'x'"),
+    (["--preset", "bogus"], "Unknown model preset 'bogus'"),
+])
+def test_gpu_smoke_names_a_bad_mesh_or_preset(args, message):
+  out = subprocess.run([sys.executable, "-m", "experiments.gpu_smoke", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 1 and f"gpu_smoke: " in out.stderr and message in out.stderr
+  assert "Traceback" not in out.stderr
