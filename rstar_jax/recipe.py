@@ -368,6 +368,7 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
   cache = os.path.join(ctx.workdir, stage, "hard_subset.json")
   by_uid = {p.uid: p for p in ctx.train_problems}
   prev = _last_done(ctx.workdir, stage)
+  # Through JSON once, so that it compares equal to what the cache file reads back.
   made_with = json.loads(json.dumps({
       "k": stage_cfg.hard_k, "pool": stage_cfg.hard_pool or len(ctx.train_problems),
       "seed": ctx.config.seed, "agent": dataclasses.asdict(stage_cfg.agent),

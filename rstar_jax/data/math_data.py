@@ -150,19 +150,8 @@ def _open_bytes(path: pathlib.Path):
   return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
-def _decode(raw: bytes, path: pathlib.Path, unit_no: int, unit: str) -> str:
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise _NotUtf8(RowError(str(path), unit_no, unit, None,
-                            f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")) from None
-  return text[1:] if unit_no == 1 and text.startswith("\ufeff") else text   # a BOM
-
-
-class _NotUtf8(Exception):
-  def __init__(self, error: RowError):
-    super().__init__(str(error))
-    self.error = error
+def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
+  return f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
 
 
 def _json_error(e: Exception) -> str:
@@ -182,10 +171,10 @@ def _read_jsonl(path: pathlib.Path) -> Iterator[_Read]:
   try:
     with _open_bytes(path) as f:
       for line_no, raw in enumerate(f, start=1):
-        try:
-          line = _decode(raw, path, line_no, "line")
-        except _NotUtf8 as e:   # one bad row, like invalid JSON: on_error decides
-          yield line_no, None, e.error
+        try:   # utf-8-sig: a BOM on the first line is no error
+          line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as e:   # one bad row, like invalid JSON: on_error decides
+          yield line_no, None, RowError(str(path), line_no, "line", None, _not_utf8(raw, e))
           continue
         if not line.strip():  # Blank lines (e.g. a trailing newline) hold no row.
           continue
@@ -207,9 +196,9 @@ def _read_json_array(path: pathlib.Path) -> Iterator[_Read]:
   except _CORRUPT as e:
     raise DataError(path=path, message=f"corrupt or truncated ({type(e).__name__}: {e})") from e
   try:
-    text = _decode(raw, path, 1, "byte")
-  except _NotUtf8 as e:
-    raise DataError(path=path, message=e.error.message) from None
+    text = raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise DataError(path=path, message=_not_utf8(raw, e)) from None
   if not text.strip():
     return  # No rows; _load_rows reports the empty file.
   try:

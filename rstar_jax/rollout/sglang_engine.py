@@ -592,8 +592,9 @@ class SGLangEngine:
         continue
       except RequestTimedOut:
         asyncio.ensure_future(self._abort_quietly(rid))
-        raise RequestTimedOut(f"{self.url}/generate: request {request.request_id} took longer than "
-                          f"request_timeout_s={self.config.request_timeout_s}; aborted") from None
+        raise RequestTimedOut(f"{self.url}/generate: request {request.request_id} took longer "
+                              f"than request_timeout_s={self.config.request_timeout_s}; "
+                              "aborted") from None
       except asyncio.CancelledError:
         asyncio.ensure_future(self._abort_quietly(rid))
         raise
