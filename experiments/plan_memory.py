@@ -387,7 +387,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv: Sequence[str]) -> None:
   del argv
   config = _CONFIG.value
-  cases = cases_from_config(config)
+  try:
+    cases = cases_from_config(config)
+  except (ValueError, KeyError, TypeError) as e:  # bad mesh, preset, list: one line, no traceback
+    raise config_utils.ConfigError(
+        str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from None
   c0 = cases[0]
   print(f"{c0.preset}: {c0.model_config().num_params / 1e9:.2f}B params, compute "
         f"{c0.dtype}, {config.micro_batches} micro-batches/step, prompt {config.prompt_len} "

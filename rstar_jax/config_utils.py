@@ -265,17 +265,20 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
   interrupted run ends with one clear line instead of a traceback."""
   from rstar_jax.train import interrupt
 
+  doc = (sys.modules["__main__"].__doc__ or "").strip().splitlines()
+  # The docstring's launch command (big_vision style), wherever it sits in the text.
+  usage = next((line.strip() for line in doc if line.strip().startswith("python")),
+               doc[0] if doc else "")
+
   def usage_exit(message: str):
-    doc = (sys.modules["__main__"].__doc__ or "").strip().splitlines()
-    print(f"{message}\nusage: {doc[0] if doc else ''}", file=sys.stderr)
+    print(f"{message}\nusage: {usage}", file=sys.stderr)
     sys.exit(2)
 
   def parser(argv):
     spec = _config_path_from_argv(argv, config_flag)
     helping = any(a.startswith(("--help", "-h", "--helpfull")) for a in argv[1:])
-    if spec is None and not helping:
-      usage_exit(f"--{config_flag} is required (a config file, e.g. "
-                 "experiments/configs/toy.py)")
+    if spec is None and not helping and flags.FLAGS[config_flag].default is None:
+      usage_exit(f"--{config_flag} is required (a config file)")
     if spec is not None:
       try:
         check_overrides(argv, _load_config_file(spec), config_flag)

@@ -1,4 +1,5 @@
-"""Zero counts are refused when the flags are parsed, not after a benchmark's work
+"""Bad command lines of the experiment scripts end in one line naming what is wrong.
+Zero counts are refused when the flags are parsed, not after a benchmark's work
 (they raised StatisticsError / IndexError / ZeroDivisionError at the end)."""
 import os
 import subprocess
@@ -32,3 +33,18 @@ def test_gpu_smoke_names_a_bad_mesh_or_preset(args, message):
                        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
   assert out.returncode == 1 and f"gpu_smoke: " in out.stderr and message in out.stderr
   assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.meshes=fsdp=x"], "mesh spec 'fsdp=x': expected comma-separated axis=size"),
+    (["--config.preset=bogus"], "Unknown model preset 'bogus'"),
+    (["--config.response_lens=a"], "config.response_lens='a': expected comma-separated ints"),
+])
+def test_plan_memory_runs_on_its_default_config_and_names_a_bad_case(args, message):
+  # Its --config has a default (no "--config is required"), and a bad case is one line
+  # before any compile.
+  out = subprocess.run([sys.executable, "-m", "experiments.plan_memory", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 2 and f"config error: {message}" in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and "--config is required" not in out.stderr
