@@ -33,9 +33,12 @@ class GenerationRequest:
                        f"not fit the engine's max_len={max_len}")
     if self.max_new_tokens <= 0:
       raise ValueError(f"request {self.request_id}: max_new_tokens must be positive")
-    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or self.top_k < 0:
+    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or not 0 <= self.top_k < 2**31:
       raise ValueError(f"request {self.request_id}: bad sampling params "
                        f"(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
+    # The engines carry seeds as int32: one out of range would fail the whole batch.
+    if not -2**31 <= self.seed < 2**31:
+      raise ValueError(f"request {self.request_id}: seed={self.seed} is not a 32-bit int")
 
 
 @dataclasses.dataclass

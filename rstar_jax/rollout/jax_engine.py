@@ -141,6 +141,22 @@ class _Slot:
   wait_s: float = 0.0
   released_at: float = 0.0
   held_until: float = 0.0      # kept for its own trajectory's next turn until then
+  weights: int = 0             # JaxEngine._weights (update count) its k/v began with
+  version: str | None = None   # and that update's weight_version
+
+
+def settle_future(fut: concurrent.futures.Future, result=None, error: BaseException | None = None):
+  """Result or error for a caller that may have cancelled meanwhile (its task timed out
+  or was torn down): a cancelled future takes nothing and must not stop the engine."""
+  if fut.done():
+    return
+  try:
+    if error is not None:
+      fut.set_exception(error)
+    else:
+      fut.set_result(result)
+  except concurrent.futures.InvalidStateError:   # cancelled since the check
+    pass
 
 
 def _layer_tuple(x) -> bool:
@@ -236,6 +252,7 @@ class JaxEngine:
     self.metrics = collections.Counter()
     self._t_start = time.perf_counter()
     self.weight_version: str | None = None
+    self._weights = 0   # update_weights calls so far: which weights a slot's k/v came from
 
   # ---- Public API ------------------------------------------------------------
   @property
@@ -250,12 +267,19 @@ class JaxEngine:
       state = _per_layer(state)
     with self._lock:
       self.state = state
+      self._weights += 1
       if version is not None:
         self.weight_version = str(version)
-      # Cached k/v were computed with the old weights: never reuse them.
+      # Cached k/v were computed with the old weights: never reuse them. A running
+      # request's are dropped when it ends, and its result names both versions.
       for s in self.slots:
         if s.request is None:
           s.cached, s.held_until = [], 0.0
+
+  def _weights_now(self):
+    """(state, update count, version), read together: an update may land at any time."""
+    with self._lock:
+      return self.state, self._weights, self.weight_version
 
   def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
     request.validate(self.config.max_len)
@@ -289,12 +313,23 @@ class JaxEngine:
       self._thread.start()
 
   def stop(self) -> None:
+    """Ends the loop thread; requests still queued or running fail (never left waiting)."""
     with self._lock:
       self._stop = True
       self._lock.notify()
     if self._thread is not None:
       self._thread.join()
       self._thread = None
+    self._fail_all(RuntimeError(f"engine {self.name} stopped with this request unfinished"))
+
+  def _fail_all(self, error: BaseException) -> None:
+    with self._lock:
+      for s in self.slots:
+        if s.future is not None:
+          settle_future(s.future, error=error)
+        s.request, s.future, s.cached = None, None, []
+      while self.queue:
+        settle_future(self.queue.popleft()[1], error=error)
 
   def free_kv_tokens(self) -> int:
     """KV capacity in tokens not promised to running or queued requests."""
@@ -329,14 +364,7 @@ class JaxEngine:
       try:
         self.step()
       except Exception as e:  # never strand waiters: fail every pending future loudly
-        with self._lock:
-          for s in self.slots:
-            if s.future is not None and not s.future.done():
-              s.future.set_exception(e)
-            s.request, s.future, s.cached = None, None, []
-          while self.queue:
-            _, fut, _ = self.queue.popleft()
-            fut.set_exception(e)
+        self._fail_all(e)
         raise
 
   def step(self) -> None:
@@ -398,6 +426,8 @@ class JaxEngine:
   def _admit(self) -> None:
     admitted = []  # slot indices, taken now so that the next pick sees them busy
     with self._lock:
+      if any(fut.cancelled() for _, fut, _ in self.queue):   # callers gone: never start
+        self.queue = collections.deque(q for q in self.queue if not q[1].cancelled())
       while self.queue:
         found = self._next_admissible()
         if found is None:
@@ -427,8 +457,8 @@ class JaxEngine:
         with self._lock:
           for i in [i for g in groups[k:] for i in g]:
             s = self.slots[i]
-            if s.future is not None and not s.future.done():
-              s.future.set_exception(e)
+            if s.future is not None:
+              settle_future(s.future, error=e)
             s.request, s.future, s.cached = None, None, []
         raise
 
@@ -484,9 +514,12 @@ class JaxEngine:
     attend = None
     if self.config.decode_buckets:  # every row's positions stay below it
       attend = self.config.length_bucket(max(self.slots[i].reused for i in group) + length)
+    state, weights, version = self._weights_now()
+    for i in group:
+      self.slots[i].weights, self.slots[i].version = weights, version
     t0 = time.perf_counter()
     self.cache, tok, logp = _prefill(
-        self.graphdef, self.state, self.cache, slots, toks, pos, last, seeds, temps, top_p,
+        self.graphdef, state, self.cache, slots, toks, pos, last, seeds, temps, top_p,
         top_k, attend_len=attend)
     tok, logp = np.asarray(tok), np.asarray(logp)  # waits for the device
     self.metrics["prefill_s"] += time.perf_counter() - t0
@@ -494,9 +527,10 @@ class JaxEngine:
     self.metrics["prefill_padded_tokens"] += rows * length
     self.metrics["prefill_padding_rows"] += rows - len(group)
     for r, i in enumerate(group):
-      self._accept(i, int(tok[r]), float(logp[r]))
+      self._accept(i, int(tok[r]), float(logp[r]), weights, version)
 
-  def _accept(self, i: int, tok: int, logp: float) -> None:
+  def _accept(self, i: int, tok: int, logp: float, weights: int, version: str | None) -> None:
+    """Takes token `tok` sampled for slot i with weights (`weights`, `version`)."""
     s = self.slots[i]
     req = s.request
     s.out_ids.append(tok)
@@ -508,21 +542,28 @@ class JaxEngine:
       reason = "stop"
     elif len(s.out_ids) >= req.max_new_tokens or len(s.cached) + 1 >= self.config.max_len:
       reason = "length"
-    if reason is None:
+    if reason is None and not s.future.cancelled():
       return
+    mixed = s.weights != weights   # weights updated while it ran
     result = GenerationResult(
         request_id=req.request_id, output_ids=s.out_ids, logprobs=s.out_logps,
-        finish_reason=reason, prompt_tokens=len(req.input_ids), reused_prefix_tokens=s.reused,
-        queue_wait_s=s.wait_s, weight_version=self.weight_version)
+        finish_reason=reason or "abort", prompt_tokens=len(req.input_ids),
+        reused_prefix_tokens=s.reused, queue_wait_s=s.wait_s,
+        # Both versions, as SGLang's spans would show them: check_weight_versions refuses it.
+        weight_version=f"{s.version} -> {version}" if mixed else version)
     fut = s.future
     with self._lock:
       s.request, s.future = None, None
       s.released_at = time.perf_counter()
-      if (tok in req.continue_ids and self.config.reuse_prefix
-          and self.config.prefix_grace_s > 0):
+      if mixed or weights != self._weights:   # k/v of other weights than the next call's
+        s.cached, s.held_until = [], 0.0
+      elif (tok in req.continue_ids and self.config.reuse_prefix
+            and self.config.prefix_grace_s > 0 and reason is not None):
         s.held_until = s.released_at + self.config.prefix_grace_s
         self.metrics["held_slots"] += 1
-    fut.set_result(result)
+    if reason is None:
+      self.metrics["cancelled_requests"] += 1
+    settle_future(fut, result)
 
   def _decode_step(self) -> None:
     n = self.config.num_slots
@@ -546,11 +587,12 @@ class JaxEngine:
     # The last step's positions are read too (a row past max_len writes nowhere).
     attend = (self.config.decode_attend(int(max(pos[i] for i in active)) + steps)
               if active else None)
+    state, weights, version = self._weights_now()
     t0 = time.perf_counter()
     self.cache, out_tok, out_logp = _decode(
         # numpy in: jit moves them in its C++ path (jnp.asarray dispatched an op each,
         # ~0.4 ms of host time per step at 64 slots).
-        self.graphdef, self.state, self.cache, toks, pos, seeds, idx, temps, top_p, top_k,
+        self.graphdef, state, self.cache, toks, pos, seeds, idx, temps, top_p, top_k,
         attend_len=attend, steps=steps)
     out_tok, out_logp = np.asarray(out_tok).tolist(), np.asarray(out_logp).tolist()
     self.metrics["decode_s"] += time.perf_counter() - t0
@@ -564,7 +606,7 @@ class JaxEngine:
         s.cached.append(fed)
         kept += 1
         fed = out_tok[i][j]
-        self._accept(i, fed, out_logp[i][j])
+        self._accept(i, fed, out_logp[i][j], weights, version)
         if s.request is not req:
           break
     self.metrics["active_slot_steps"] += kept

@@ -62,7 +62,7 @@ from aiohttp import web
 
 from rstar_jax import compile_cache
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
-from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
+from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine, settle_future
 
 SGLANG_API_VERSION = "0.5.23"
 log = logging.getLogger("rstar_jax.rollout.server")
@@ -149,7 +149,7 @@ class ServedEngine(JaxEngine):
         for k, (req, fut, _) in enumerate(self.queue):
           if req.request_id == rid:
             del self.queue[k]
-            fut.set_result(GenerationResult(
+            settle_future(fut, GenerationResult(
                 request_id=rid, output_ids=[], logprobs=[], finish_reason="abort",
                 prompt_tokens=len(req.input_ids), reused_prefix_tokens=0, queue_wait_s=0.0))
             return True
@@ -162,7 +162,9 @@ class ServedEngine(JaxEngine):
             fut = s.future
             s.request, s.future = None, None
             s.released_at = time.perf_counter()
-            fut.set_result(result)
+            if s.weights != self._weights:   # k/v of two weight versions: never reuse
+              s.cached, s.held_until = [], 0.0
+            settle_future(fut, result)
             return True
     return False
 
@@ -204,7 +206,7 @@ class RolloutServer:
     self.model_cfg = model.cfg
     self.engine_cfg = engine_cfg
     self.engine = ServedEngine(model, engine_cfg, name="served")
-    self.weight_version = str(weight_version)
+    self.weight_version = self.engine.weight_version = str(weight_version)
     self.host, self.port = host, port
     self.tokenizer = self._load_tokenizer(self.model_path)
     self.requests: dict[str, _Req] = {}
@@ -408,7 +410,8 @@ class RolloutServer:
                 "Abort request", "status_code": None, "err_type": None}
     meta = {"id": req.request_id, "finish_reason": finish,
             "prompt_tokens": len(req.input_ids), "completion_tokens": len(ids),
-            "cached_tokens": result.reused_prefix_tokens, "weight_version": self.weight_version,
+            "cached_tokens": result.reused_prefix_tokens,
+            "weight_version": result.weight_version or self.weight_version,
             "e2e_latency": secs}
     if want_logprobs:
       meta["output_token_logprobs"] = [[float(lp), int(t), None]
@@ -503,7 +506,8 @@ class RolloutServer:
         return fail(f"Failed to update weights: {e}")
       from flax import nnx
       _, state = nnx.split(model)
-      await self._in_thread(self.engine.update_weights, state)
+      # The engine labels a request that ran across this update with both versions.
+      await self._in_thread(self.engine.update_weights, state, version)
       self.model_path = os.path.abspath(path)
       message = "Succeeded to update model weights."
       if version is not None:

@@ -290,3 +290,74 @@ def test_top_k_and_top_p_filtering():
                             jnp.asarray([0, 1, 0]))
   assert int(tok[0]) == 0 and int(tok[1]) == 0      # greedy; top-1
   np.testing.assert_allclose(lp[0], np.log(0.5), rtol=1e-5)
+
+
+def _long(i, n=200):
+  return GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=n, seed=i, request_id=f"r{i}")
+
+
+def test_a_cancelled_caller_frees_its_slot_and_harms_no_other_request(model):
+  # A caller's task cancelled (asyncio.wait_for's timeout, asyncio.run tearing down a
+  # failed gather) cancels the engine's future; setting a result on it raised in the
+  # engine thread, which then failed every other request and died, and later calls hung.
+  async def main(eng):
+    a, b, c = (asyncio.ensure_future(eng.generate(_long(i))) for i in range(3))
+    await asyncio.sleep(0.3)          # a runs in the only slot; b and c wait
+    a.cancel()
+    b.cancel()
+    r = await asyncio.wait_for(c, timeout=60)
+    return r, eng.metrics["cancelled_requests"]
+
+  eng = JaxEngine(model, EngineConfig(num_slots=1, max_len=256))
+  r, cancelled = asyncio.run(main(eng))
+  alone = JaxEngine(model, EngineConfig(num_slots=1, max_len=256)).generate_sync([_long(2)])[0]
+  assert r.output_ids == alone.output_ids and r.finish_reason == "length"
+  assert cancelled == 1 and eng.metrics["requests"] == 2   # b was never started
+  # A fresh event loop (the next rollout batch) is served by the same engine.
+  r2 = asyncio.run(asyncio.wait_for(eng.generate(_long(5, 6)), timeout=60))
+  assert len(r2.output_ids) == 6 and eng._thread.is_alive()
+  eng.stop()
+
+
+def test_stop_fails_the_requests_it_leaves_unfinished(model):
+  eng = JaxEngine(model, EngineConfig(num_slots=1, max_len=256))
+  running, queued = eng.submit(_long(0)), eng.submit(_long(1))
+  eng.step()
+  eng.stop()
+  for fut in (running, queued):
+    with pytest.raises(RuntimeError, match="stopped with this request unfinished"):
+      fut.result(timeout=0)
+  assert eng.num_active() == 0 and not eng.queue
+
+
+def test_a_seed_or_top_k_out_of_int32_is_refused_alone(model):
+  eng = JaxEngine(model, EngineConfig(num_slots=2, max_len=64))
+  for bad in (dict(seed=2**31), dict(seed=-2**31 - 1), dict(top_k=2**31)):
+    with pytest.raises(ValueError, match="seed=|bad sampling params"):
+      eng.submit(GenerationRequest(input_ids=[1, 2], max_new_tokens=2, **bad))
+  assert eng.generate_sync([_long(0, 3)])[0].finish_reason == "length"
+
+
+def test_weights_updated_mid_request_label_it_and_drop_its_cache(model):
+  # The request's k/v are partly old weights': its next turn must not reuse them, and
+  # its result names both versions so that check_weight_versions refuses it.
+  new = qwen3.create_model(CFG, seed=1)
+  cfg = EngineConfig(num_slots=1, max_len=128, prefix_grace_s=0)
+  eng = JaxEngine(model, cfg)
+  eng.weight_version = "v0"
+  turn1 = GenerationRequest(input_ids=list(range(1, 40)), max_new_tokens=10, seed=3)
+  fut = eng.submit(turn1)
+  eng.step()
+  eng.step()                              # prefill + one decode step on v0
+  eng.update_weights(nnx.state(new), version="v1")
+  while not fut.done():
+    eng.step()
+  assert fut.result().weight_version == "v0 -> v1"
+  assert eng.slots[0].cached == []
+  turn2 = GenerationRequest(input_ids=turn1.input_ids + fut.result().output_ids + [5, 6],
+                            max_new_tokens=8, seed=4)
+  got = eng.generate_sync([turn2])[0]
+  want = JaxEngine(new, cfg).generate_sync([turn2])[0]
+  assert got.reused_prefix_tokens == 0 and got.weight_version == "v1"
+  assert got.output_ids == want.output_ids
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
