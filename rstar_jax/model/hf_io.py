@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from typing import Any
 
 from flax import nnx
@@ -416,6 +417,9 @@ def hf_tensors(model: Qwen3, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
   return dict(iter_hf_tensors(model, dtype))
 
 
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json")
+
+
 def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
             max_shard_bytes: int = 5 * 1024 ** 3, tokenizer_dir: str | None = None,
             chat_template: str | None = None) -> None:
@@ -486,7 +490,16 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   with open(tmp, "w") as f:
     json.dump(config_to_hf_dict(model.cfg, dtype), f, indent=2)
   written.append((tmp, tmp[:-4]))
-  for tmp, final in written:
+  # A previous export's weights that this one does not overwrite (a single file then
+  # shards, or the other way round) would be read by one loader and not the other:
+  # transformers prefers model.safetensors, _TensorIndex the index. Gone first, and
+  # config.json with them, so that a crash in between leaves no complete-looking export.
+  finals = {os.path.basename(final) for _, final in written}
+  for fname in ["config.json"] + sorted(os.listdir(out_dir)):
+    if (fname == "config.json" or fname not in finals and _WEIGHT_FILE.fullmatch(fname)) \
+        and os.path.exists(os.path.join(out_dir, fname)):
+      os.remove(os.path.join(out_dir, fname))
+  for tmp, final in written:   # config.json last
     os.replace(tmp, final)
   if tokenizer_dir:
     import shutil

@@ -139,3 +139,27 @@ def test_bf16_export_loads_in_transformers(tmp_path):
   hf_io.save_hf(model, str(tmp_path), dtype="bfloat16")
   hf = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path))
   assert next(hf.parameters()).dtype.__repr__() == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("first_shard, second_shard", [(20_000, 10**9), (10**9, 20_000)])
+def test_an_export_over_another_with_other_shards_leaves_only_its_own(tmp_path, first_shard,
+                                                                       second_shard):
+  # A re-export over a single file with shards (or the other way round) kept the old
+  # files: transformers read model.safetensors, load_hf the index, each other weights.
+  cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=40,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8)
+  old, new = qwen3.create_model(cfg, seed=1), qwen3.create_model(cfg, seed=2)
+  out = str(tmp_path / "export")
+  hf_io.save_hf(old, out, dtype="float32", max_shard_bytes=first_shard)
+  hf_io.save_hf(new, out, dtype="float32", max_shard_bytes=second_shard)
+  single = second_shard > 10**6
+  weights = sorted(f for f in os.listdir(out) if f.startswith("model"))
+  assert (weights == ["model.safetensors"]) if single else (
+      "model.safetensors" not in weights and "model.safetensors.index.json" in weights)
+  tokens = np.arange(8)[None]
+  want = np.asarray(qwen3.forward_logits(new, jnp.asarray(tokens)))
+  np.testing.assert_array_equal(
+      np.asarray(qwen3.forward_logits(hf_io.load_hf(out), jnp.asarray(tokens))), want)
+  hf = transformers.Qwen3ForCausalLM.from_pretrained(out, dtype="float32").eval()
+  assert np.abs(hf_fixtures.torch_logits(hf, tokens) - want).max() <= TOL
