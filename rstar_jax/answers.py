@@ -14,6 +14,12 @@ ANSWER_CLOSE = "</answer>"
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _INT_RE = re.compile(r"[+-]?\d+")
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+# A visible space between two digits ("1\\,000", "1\\ 000", "1~000"): a thousands
+# separator only where every group after the first has three digits, else two numbers
+# ("1\\ 2" is not 12). Bare whitespace is not one: math mode typesets "4 2" as 42.
+_DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\s*(?:\\[,;:> ]|~)\s*)+(?=\d)")
+_GAP = "\x00"
+_SPACED_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:\x00\d{3})+")
 _TEXT_WRAP_RE = re.compile(
     r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox|rm|bf)\s*\{([^{}]*)\}")
 # "x = 5", "n=12", "a_1 = 3", "a_{10} = 3": a named single value.
@@ -119,18 +125,21 @@ def normalize_answer(answer: str) -> str:
   """Light, conservative string normalisation used for the integer comparison.
 
   Removes: math delimiters (`$`, `\\(`, `\\)`, `\\[`, `\\]`), an enclosing `\\boxed{}`,
-  `\\left`/`\\right`, LaTeX spacing (`\\!`, `\\,`, `\\;`, `\\:`, `\\ `, `~`), text/roman
+  `\\left`/`\\right`, LaTeX spacing (`\\!`, `\\,`, `\\;`, `\\:`, `\\ `, `~`; between two
+  digits only as a thousands separator, "1\\,000", else left as one space), text/roman
   wrappers, degree signs, all whitespace, a trailing period, a leading `x =`, redundant
   braces around the whole answer (`{{204}}` -> `204`, see `strip_enclosing_braces`); turns
   `\\dfrac`/`\\tfrac` into `\\frac` and `{,}` into `,`; strips thousands separators from a
   number whose comma groups are all of three digits ("1,234" -> "1234", but "1,23" stays).
   """
-  s = answer.replace("$", "").replace("\u2212", "-")  # Unicode minus sign.
+  # An escaped dollar (a currency sign: "\\$5") first, or "\\5" would be left.
+  s = answer.replace("\\$", "").replace("$", "").replace("\u2212", "-")  # Unicode minus.
   for tok in ("\\(", "\\)", "\\[", "\\]"):
     s = s.replace(tok, "")
   s = _unwrap_boxed(s)
   s = s.replace("{,}", ",")
   s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+  s = _DIGIT_GAP_RE.sub(_GAP, s.replace(_GAP, ""))
   s = re.sub(r"\\[!,;:> ]", "", s).replace("~", "")
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
   prev = None
@@ -145,7 +154,9 @@ def normalize_answer(answer: str) -> str:
   s = strip_enclosing_braces(s)  # "x={5}"
   if _THOUSANDS_RE.fullmatch(s):
     s = s.replace(",", "")
-  return s
+  elif _SPACED_THOUSANDS_RE.fullmatch(s):
+    s = s.replace(_GAP, "")
+  return s.replace(_GAP, " ")   # digits spaced otherwise: two numbers, not one
 
 
 def parse_integer(answer: str) -> int | None:

@@ -48,6 +48,13 @@ INTEGER_CASES = [
     ("41", "42", False),
     ("420", "42", False),
     ("4 2", "42", True),               # spaces are not significant in LaTeX math
+    ("1\\ 2", "12", False),            # ...but a typeset space is: two numbers
+    ("1~2", "12", False),
+    ("1\\,23", "123", False),
+    ("1\\,000", "1000", True),          # a thin space between thousands
+    ("12~345\\ 678", "12345678", True),
+    ("\\$5", "5", True),                # an escaped (currency) dollar sign
+    ("\\boxed{\\$1\\,000}", "1000", True),
     ("", "42", False),
     ("x", "42", False),
     ("42", 42, True),                  # int reference
