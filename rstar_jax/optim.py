@@ -15,6 +15,9 @@ class OptimizerConfig:
   """Defaults are the report's RL settings (SPEC.md section 3)."""
   learning_rate: float = 1e-6
   warmup_steps: int = 20
+  # Warm-up as a share of total_steps instead (the report's SFT: 4%); the SFT trainer
+  # sets total_steps from its data when it is None.
+  warmup_ratio: float | None = None
   schedule: str = "warmup_constant"
   total_steps: int | None = None   # required by warmup_cosine
   min_lr_ratio: float = 0.0        # cosine floor, as a fraction of learning_rate
@@ -29,23 +32,35 @@ class OptimizerConfig:
       raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
     if self.warmup_steps < 0:
       raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
+      raise ValueError(f"OptimizerConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; choose from {SCHEDULES}")
     if (self.schedule == "warmup_cosine" and self.total_steps is not None and
-        self.total_steps <= self.warmup_steps):
-      raise ValueError("OptimizerConfig.total_steps must exceed warmup_steps for "
-                       f"warmup_cosine (got {self.total_steps}, warm-up {self.warmup_steps})")
+        self.total_steps <= self.warmup):
+      raise ValueError("OptimizerConfig.total_steps must exceed the warm-up for "
+                       f"warmup_cosine (got {self.total_steps}, warm-up {self.warmup})")
     if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
       raise ValueError(f"OptimizerConfig.grad_clip_norm must be > 0 or None")
     if not 0 <= self.min_lr_ratio <= 1:
       raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1]")
+
+  @property
+  def warmup(self) -> int:
+    """Warm-up steps: warmup_steps, or warmup_ratio of total_steps when that is set."""
+    if self.warmup_ratio is None:
+      return self.warmup_steps
+    if self.total_steps is None:
+      raise ValueError("OptimizerConfig.warmup_ratio needs total_steps (set it, or let the "
+                       "SFT trainer set it from its data)")
+    return round(self.warmup_ratio * self.total_steps)
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   if cfg.schedule == "warmup_cosine" and cfg.total_steps is None:
     raise ValueError("OptimizerConfig.total_steps must be set for warmup_cosine")
   # Linear warm-up from 0 (step 0 gets lr/warmup, not 0, so no step is wasted).
-  warm = max(cfg.warmup_steps, 0)
+  warm = cfg.warmup
   if cfg.schedule == "warmup_constant":
     if warm == 0:
       return optax.constant_schedule(cfg.learning_rate)

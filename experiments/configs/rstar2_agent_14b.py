@@ -33,10 +33,13 @@ def get_config():
                 engine=dict(num_slots=64, max_len=13_312))   # 12K responses + prompt
 
   # Non-reasoning cold start: ~222K examples, 3 epochs, lr 5e-6, 4% warm-up, cosine, batch 128.
+  # Our batch is 128 packed rows of 8192 tokens, each holding several short examples (the
+  # report's 128 are examples): to match it in examples, set rows_per_step to 128 / (examples
+  # per row; the SFT log's packing stats give examples and rows).
   c.sft = s(recipe.SFTStage, enabled=True, epochs=3.0, seq_len=8192, rows_per_step=128,
             heldout_share=0.01, eval_every=200, checkpoint_every=500,
             data=dict(files=(), num_traces=0),
-            optimizer=dict(learning_rate=5e-6, warmup_steps=200, schedule="warmup_cosine",
+            optimizer=dict(learning_rate=5e-6, warmup_ratio=0.04, schedule="warmup_cosine",
                            min_lr_ratio=0.0, weight_decay=0.0, grad_clip_norm=1.0),
             step=dict(micro_batches=16, logprob_chunk=1024))
 

@@ -12,6 +12,29 @@ from typing import Sequence
 import numpy as np
 
 
+class _FirstFit:
+  """Free space of up to `n` rows of `capacity`: the first row an item fits, in
+  O(log n) (a max tree over the rows' free space), where a scan of every row made
+  packing 222K conversations into ~20K rows a matter of tens of minutes."""
+
+  def __init__(self, n: int, capacity: int):
+    self.size = 1 << max(n - 1, 0).bit_length()
+    self.tree = [capacity] * (2 * self.size)   # unopened rows are empty rows
+
+  def take(self, need: int) -> int:
+    """Index of the first row with `need` free (opening the next row if none), less need."""
+    t, node = self.tree, 1
+    while node < self.size:
+      node = 2 * node if t[2 * node] >= need else 2 * node + 1
+    row = node - self.size
+    t[node] -= need
+    node //= 2
+    while node:
+      t[node] = max(t[2 * node], t[2 * node + 1])
+      node //= 2
+    return row
+
+
 def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, *,
          pad_id: int = 0) -> tuple[dict[str, np.ndarray], dict[str, int]]:
   """First-fit-decreasing packing of (ids, loss_mask) pairs into rows of `seq_len`.
@@ -32,17 +55,12 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, 
     items.append((list(ids), list(mask)))
   order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
   rows: list[list[int]] = []
-  space: list[int] = []
+  free = _FirstFit(len(items), seq_len)
   for i in order:
-    need = len(items[i][0]) - 1
-    for r, free in enumerate(space):
-      if free >= need:
-        rows[r].append(i)
-        space[r] -= need
-        break
-    else:
-      rows.append([i])
-      space.append(seq_len - need)
+    r = free.take(len(items[i][0]) - 1)
+    if r == len(rows):
+      rows.append([])
+    rows[r].append(i)
   n = len(rows)
   out = {k: np.zeros((n, seq_len), np.int32) for k in
          ("input_ids", "target_ids", "segment_ids", "positions")}

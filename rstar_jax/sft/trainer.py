@@ -89,7 +89,9 @@ class SFTTrainer:
     if n_rows < cfg.rows_per_step:
       raise ValueError(f"SFT: only {n_rows} packed rows for rows_per_step={cfg.rows_per_step}")
     self.total_steps = num_steps(cfg, n_rows)
-    if opt_cfg.schedule == "warmup_cosine" and opt_cfg.total_steps is None:
+    if opt_cfg.total_steps is None and opt_cfg.warmup_ratio is not None:
+      opt_cfg = dataclasses.replace(opt_cfg, total_steps=self.total_steps)
+    elif opt_cfg.schedule == "warmup_cosine" and opt_cfg.total_steps is None:
       opt_cfg = dataclasses.replace(opt_cfg, total_steps=max(self.total_steps,
                                                              opt_cfg.warmup_steps + 1))
     self.opt_cfg = opt_cfg

@@ -54,6 +54,29 @@ def test_packing_truncates_and_reports_overlong():
     packing.pack([([1, 2, 3], [1, 1])], 8)
 
 
+def test_packing_is_first_fit_decreasing():
+  # The reference: each conversation, longest first, into the first row with room.
+  rng = np.random.RandomState(0)
+  for n, seq_len in [(1, 16), (40, 64), (700, 128)]:
+    lens = np.clip(rng.lognormal(np.log(seq_len / 6), 1.0, n).astype(int), 2, seq_len + 4)
+    ex = [(list(range(L)), [1] * L) for L in lens]
+    want, free = [], []
+    for i in sorted(range(n), key=lambda i: -lens[i]):
+      need = min(lens[i], seq_len + 1) - 1
+      r = next((r for r, f in enumerate(free) if f >= need), len(free))
+      if r == len(free):
+        want.append([])
+        free.append(seq_len)
+      want[r].append(i)
+      free[r] -= need
+    rows, stats = packing.pack(ex, seq_len)
+    assert stats["rows"] == len(want)
+    for r, members in enumerate(want):   # segments in conversation order within a row
+      seg = rows["segment_ids"][r]
+      assert [int((seg == k).sum()) for k in range(1, seg.max() + 1)] == \
+          [min(lens[i], seq_len + 1) - 1 for i in sorted(members)]
+
+
 def test_packed_loss_equals_unpacked_loss():
   ex = _examples(6, seed=3)
   model = qwen3.create_model(CFG, seed=1)
