@@ -22,7 +22,9 @@ def records_from(trajs: Sequence[agent_loop.Trajectory]) -> list[metrics.SampleR
     uid, _, idx = t.uid.rpartition("#")
     out.append(metrics.SampleRecord(
         problem_uid=uid, sample_index=int(idx), reward=float(t.reward or 0.0),
-        response_tokens=t.model_tokens, num_tool_calls=t.num_tool_calls,
+        # Tool outputs included, as the length budget counts them (the report's response
+        # length); the RL metrics' model_tokens_mean counts the model's own tokens.
+        response_tokens=len(t.response_ids), num_tool_calls=t.num_tool_calls,
         num_tool_errors=t.num_tool_errors, num_turns=t.num_turns, truncated=t.truncated))
   return out
 

@@ -54,3 +54,10 @@ def test_evaluate_on_scripted_engine():
   assert all(t.finish_reason == "stop" for t in trajs)
   assert (report.model_source, report.seed) == ("x", 3)   # provenance in the result file
   assert report.from_json(report.to_json()).model_source == "x"
+
+
+def test_response_tokens_count_tool_outputs_as_the_budget_does():
+  t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=list(range(10)),
+                            response_mask=[1] * 4 + [0] * 3 + [1] * 3, turns=[(0, 4), (7, 10)])
+  (rec,) = evaluate.records_from([t])
+  assert rec.response_tokens == 10 and t.model_tokens == 7
