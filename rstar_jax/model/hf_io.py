@@ -490,17 +490,14 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   with open(tmp, "w") as f:
     json.dump(config_to_hf_dict(model.cfg, dtype), f, indent=2)
   written.append((tmp, tmp[:-4]))
-  # A previous export's weights that this one does not overwrite (a single file then
-  # shards, or the other way round) would be read by one loader and not the other:
-  # transformers prefers model.safetensors, _TensorIndex the index. Gone first, and
-  # config.json with them, so that a crash in between leaves no complete-looking export.
+  # Over an earlier export: its config.json goes first and the new one comes last, so
+  # that an export cut off in between has none and no loader takes it for complete.
+  # Its weight files that this one does not overwrite (a single file then shards, or
+  # the other way round) go too: transformers would read model.safetensors and
+  # _TensorIndex the index, each other weights.
   finals = {os.path.basename(final) for _, final in written}
-  for fname in ["config.json"] + sorted(os.listdir(out_dir)):
-    if (fname == "config.json" or fname not in finals and _WEIGHT_FILE.fullmatch(fname)) \
-        and os.path.exists(os.path.join(out_dir, fname)):
-      os.remove(os.path.join(out_dir, fname))
-  for tmp, final in written:   # config.json last
-    os.replace(tmp, final)
+  if os.path.exists(os.path.join(out_dir, "config.json")):
+    os.remove(os.path.join(out_dir, "config.json"))
   if tokenizer_dir:
     import shutil
     for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -510,6 +507,11 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
         shutil.copy(src, os.path.join(out_dir, fname))
     if chat_template is not None:
       _write_chat_template(out_dir, chat_template)
+  for fname in sorted(os.listdir(out_dir)):
+    if fname not in finals and _WEIGHT_FILE.fullmatch(fname):
+      os.remove(os.path.join(out_dir, fname))
+  for tmp, final in written:   # config.json last
+    os.replace(tmp, final)
   distributed.barrier(f"save_hf {out_dir}")
 
 
