@@ -28,8 +28,10 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -63,6 +65,16 @@ class _Conflict(Exception):
   def __init__(self, message: str, restarted: bool = False):
     super().__init__(message)
     self.restarted = restarted
+
+
+class _Rejected(Exception):
+  """A 4xx other than 409: the server ran none of the request's calls."""
+
+  def __init__(self, message: str, status: int):
+    super().__init__(message)
+    self.status = status
+    m = re.match(r"HTTP 400: calls\[(\d+)\]", message)   # the server names the call it refuses
+    self.call_index = int(m.group(1)) if m and status == 400 else None
 
 
 class _Server:
@@ -241,7 +253,8 @@ class SandboxClient:
           continue
         if pinned is not None and server.instance is not None:
           payload["expect_instance"] = server.instance
-        server.inflight += len(idx)
+        sent = len(idx)
+        server.inflight += sent
         try:
           data = await self._post(server, payload)
         except _NotSent as e:  # connection refused, or a 5xx: nothing was run there
@@ -256,7 +269,8 @@ class SandboxClient:
           if pinned is not None and e.refused:
             # The server that may have run these calls is gone: never run them twice.
             self._fill(results, idx, f"{server.url} went away after the calls were sent "
-                                     f"({last_error}); they may have run and are not re-run")
+                                     f"({last_error}); they may have run and are not re-run",
+                       calls)
             self._mark_down(server, str(e))
             return
           if pinned is None:
@@ -275,17 +289,30 @@ class SandboxClient:
             pinned = None
             payload.pop("expect_instance", None)
             continue
-          self._fill(results, idx, f"{server.url}: {e}")
+          self._fill(results, idx, f"{server.url}: {e}", calls)
           return
         except asyncio.TimeoutError:
           # The calls may still be running: re-running them is what we promise not to do.
-          self._fill(results, idx, f"request to {server.url} timed out")
+          self._fill(results, idx, f"request to {server.url} timed out", calls)
           return
+        except _Rejected as e:
+          j = e.call_index
+          if j is None or not 0 <= j < len(idx):
+            self._fill(results, idx, f"{server.url} refused the request: {e}", calls)
+            return
+          # One call it cannot take (too large, say): that call fails, the others go again.
+          bad = idx.pop(j)
+          self._fill(results, [bad], f"{server.url} refused this call: {e}", calls)
+          if not idx:
+            return
+          payload["calls"] = [calls[i].to_dict() for i in idx]
+          continue
         finally:
-          server.inflight -= len(idx)
+          server.inflight -= sent
         got = data.get("results") if isinstance(data, dict) else None
         if not isinstance(got, list) or len(got) != len(idx):
-          self._fill(results, idx, f"malformed answer from {server.url}: {str(data)[:200]}")
+          self._fill(results, idx, f"malformed answer from {server.url}: {str(data)[:200]}",
+                     calls)
           return
         if isinstance(data.get("instance"), str):
           server.instance = data["instance"]
@@ -299,7 +326,7 @@ class SandboxClient:
       why = (f"gave up after {self.max_retries + 1} attempts: {last_error}" if pinned is None else
              f"gave up after {self.max_retries + 1} attempts, the last ones to {pinned.url} "
              f"whose answer was lost: {last_error}")
-      self._fill(results, idx, why)
+      self._fill(results, idx, why, calls)
     finally:
       await self._budget.release(taken)
 
@@ -315,8 +342,12 @@ class SandboxClient:
           text = (await resp.text())[:500]
           raise _Conflict(f"HTTP 409: {text}", restarted="restarted since" in text)
         if resp.status != 200:
-          raise ValueError(f"sandbox server {server.url} rejected the request "
-                           f"(HTTP {resp.status}): {(await resp.text())[:500]}")
+          text = await resp.text()
+          try:
+            text = json.loads(text).get("error", text)
+          except (ValueError, AttributeError):
+            pass
+          raise _Rejected(f"HTTP {resp.status}: {str(text)[:500]}", resp.status)
         return await resp.json()
     except aiohttp.ClientConnectorError as e:  # no connection: the request never left
       raise _NotSent(f"{type(e).__name__}: {e}", refused=True) from None
@@ -324,9 +355,9 @@ class SandboxClient:
       raise _Uncertain(f"{type(e).__name__}: {e}") from None
 
   @staticmethod
-  def _fill(results: list, idx: list[int], message: str, calls: list[Call] | None = None) -> None:
+  def _fill(results: list, idx: list[int], message: str, calls: list[Call]) -> None:
     for i in idx:
-      results[i] = Result.internal_error(message, call_id=None if calls is None else calls[i].id)
+      results[i] = Result.internal_error(message, call_id=calls[i].id)
 
   def _mark_down(self, server: _Server, why: str) -> None:
     if server.up:

@@ -14,6 +14,7 @@ what happened into a `Result`:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import itertools
 import json
@@ -616,7 +617,11 @@ class Executor:
 
   # -- the result -------------------------------------------------------------
   def _decode(self, job: _Job, kind: str) -> str:
-    text = bytes(job.bufs[kind]).decode("utf-8", "replace")
+    data = bytes(job.bufs[kind])
+    if job.exceeded == kind:   # cut at the byte cap: not inside a character
+      text = codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=False)
+    else:
+      text = data.decode("utf-8", "replace")
     if job.exceeded == kind:
       text += f"\n[... output truncated: {kind} exceeded {self.config.max_output_bytes} bytes ...]"
     return text
@@ -664,6 +669,9 @@ class Executor:
         r.status, r.error_type = "killed", sig
         r.error_message = f"killed by signal {sig}"
       r.exit_code = -int(getattr(signal.Signals, sig, 0))
+    elif job.bufs["res"]:   # a record came and cannot be read: no clean exit to report
+      r.status, r.error_type = "internal_error", "SandboxError"
+      r.error_message = "the call's result record could not be read"
     elif ex and "exitcode" in ex:
       code = int(ex["exitcode"])
       r.exit_code = code

@@ -40,8 +40,18 @@ def _innermost_cell_line(tb) -> int | None:
   return line
 
 
+# The record must stay small and parse anywhere: a hostile exception (a 1 MB class name,
+# sys.exit(10**5000)) would otherwise make it unreadable to the server.
+_MAX_TEXT, _MAX_NAME = 4000, 200
+
+
+def _clip(text: str, limit: int) -> str:
+  return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
+
 def _message(error_type: str, line: int | None, text: str) -> str:
   where = f" at line {line}" if line else ""
+  text = _clip(text, _MAX_TEXT)
   return f"{error_type}{where}: {text}" if text else f"{error_type}{where}"
 
 
@@ -73,7 +83,7 @@ def run_cell(source: str, globals_: dict[str, Any]) -> dict[str, Any]:
   except (SyntaxError, ValueError) as e:  # ValueError: source contains NUL bytes
     lineno = getattr(e, "lineno", None)
     text = getattr(e, "msg", None) or str(e)
-    error_type = type(e).__name__
+    error_type = _clip(type(e).__name__, _MAX_NAME)
     sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
     bad = getattr(e, "text", None)
     return dict(status="error", exit_code=1, error_type=error_type, error_line=lineno,
@@ -96,7 +106,8 @@ def run_cell(source: str, globals_: dict[str, Any]) -> dict[str, Any]:
       return dict(status="ok", exit_code=0)
     line = _innermost_cell_line(e.__traceback__)
     if isinstance(code, int):
-      exit_code, text = code, str(code)
+      # A real process's status is 32 bits at most; past that, 1 (as a message would).
+      exit_code, text = (code if -2**31 <= code < 2**31 else 1), _clip(str(code), 100)
     else:  # sys.exit("message") prints it and exits 1, as CPython does
       sys.stderr.write(f"{code}\n")
       exit_code, text = 1, str(code)
@@ -105,7 +116,7 @@ def run_cell(source: str, globals_: dict[str, Any]) -> dict[str, Any]:
                 error_source=_source_line(source, line))
   except BaseException as e:  # noqa: BLE001: anything the cell raises is its result
     line = _innermost_cell_line(e.__traceback__)
-    error_type = type(e).__name__
+    error_type = _clip(type(e).__name__, _MAX_NAME)
     try:
       text = str(e)
     except Exception:  # noqa: BLE001: a hostile __str__ must not kill the report

@@ -65,6 +65,10 @@ async def _read_object(request: web.Request, known: dict[str, type]) -> dict:
     raise RequestError(415, "missing Content-Type; send the body as application/json")
   if request.content_type != "application/json":
     raise RequestError(415, f"Content-Type must be application/json, got {ctype[:100]!r}")
+  encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+  if encoding not in ("identity", "gzip", "deflate"):
+    raise RequestError(415, f"Content-Encoding must be gzip, deflate or none, got "
+                            f"{encoding[:40]!r}")
   charset = request.charset
   if charset is not None and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
     raise RequestError(415, f"the body must be UTF-8 JSON, got charset={charset[:40]!r}")
@@ -80,6 +84,9 @@ async def _read_object(request: web.Request, known: dict[str, type]) -> dict:
   except web.HTTPRequestEntityTooLarge:
     raise RequestError(413, f"request body exceeds the server's limit of {limit} bytes "
                             f"(--max-body-mb {cfg.max_body_mb})") from None
+  except Exception as e:  # e.g. a gzip / deflate stream that does not decompress
+    raise RequestError(400, f"cannot read the request body ({type(e).__name__}: "
+                            f"{str(e)[:200]})") from None
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -114,7 +121,10 @@ class RecentResults:
 
   def __init__(self, ttl: float, max_bytes: int):
     self.ttl, self.max_bytes = ttl, max_bytes
-    self.entries: collections.OrderedDict[str, tuple[asyncio.Future, str]] = collections.OrderedDict()
+    self.running: dict[str, tuple[asyncio.Future, str]] = {}
+    # In the order they finished: a long call still running holds no finished one back.
+    self.finished: collections.OrderedDict[str, tuple[asyncio.Future, str]] = (
+        collections.OrderedDict())
     self.done_at: dict[str, float] = {}
     self.sizes: dict[str, int] = {}
     self.bytes = 0
@@ -122,38 +132,36 @@ class RecentResults:
 
   def get(self, call_id: str) -> tuple[asyncio.Future, str] | None:
     self._expire()
-    return self.entries.get(call_id)
+    return self.running.get(call_id) or self.finished.get(call_id)
 
   def add(self, call_id: str, task: asyncio.Future, fingerprint: str) -> None:
-    self.entries[call_id] = (task, fingerprint)
+    self.running[call_id] = (task, fingerprint)
     task.add_done_callback(lambda t: self._done(call_id, t))
 
   def _done(self, call_id: str, task: asyncio.Future) -> None:
-    if call_id not in self.entries or task.cancelled():
+    entry = self.running.pop(call_id, None)
+    if entry is None or task.cancelled():
       return
     r = task.result()
     size = 512 + len(r.stdout) + len(r.stderr) + len(r.error_message or "")
+    self.finished[call_id] = entry
     self.sizes[call_id] = size
     self.bytes += size
     self.done_at[call_id] = time.monotonic()
-    self.entries.move_to_end(call_id)
     self._expire()
 
   def _expire(self) -> None:
     now = time.monotonic()
-    while self.entries:
-      oldest = next(iter(self.entries))
-      t = self.done_at.get(oldest)
-      if t is None:  # still running: entries after it may be older; stop here (cheap)
+    while self.finished:
+      oldest = next(iter(self.finished))
+      if now - self.done_at[oldest] < self.ttl and self.bytes <= self.max_bytes:
         break
-      if now - t < self.ttl and self.bytes <= self.max_bytes:
-        break
-      del self.entries[oldest]
+      del self.finished[oldest]
       del self.done_at[oldest]
       self.bytes -= self.sizes.pop(oldest)
 
   def __len__(self) -> int:
-    return len(self.entries)
+    return len(self.running) + len(self.finished)
 
 
 def _fingerprint(call: Call) -> str:

@@ -55,6 +55,7 @@ import types  # noqa: E402
 from sandbox import isolation, runner  # noqa: E402
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 1 << 12
@@ -93,14 +94,17 @@ _INTERPRETER_DIRS_UNDER_TMP = isolation.interpreter_dirs_under()
 
 
 def private_tmp(owner: int, tmp_mb: int, shm_mb: int) -> None:
-  """Gives this process (and what it forks) its own empty /tmp and /dev/shm.
+  """Gives this process (and what it forks) its own empty /tmp and /dev/shm, and its
+  own SysV IPC objects (shared memory, semaphores, message queues).
 
   Both are tmpfs in a new mount namespace, sized to the call's quota (a write past
-  it fails with ENOSPC) and owned by the call's uid. When the last process of the
-  call exits the namespace goes, and the kernel frees both: nothing to clean up,
-  even when the server is killed.
+  it fails with ENOSPC) and owned by the call's uid; the IPC objects live in a new IPC
+  namespace, which no other call sees. When the last process of the call exits the
+  namespaces go, and the kernel frees it all: nothing to clean up, even when the
+  server is killed. (A SysV segment outlives its creator otherwise: calls could read
+  each other's, and its pages stayed charged to the calls' memory budget.)
   """
-  _unshare(CLONE_NEWNS)
+  _unshare(CLONE_NEWNS | CLONE_NEWIPC)
   _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing propagates back out
   # The interpreter's directories under /tmp (a virtualenv there) are held open and
   # bound back read-only over the new /tmp: later imports still find their files.

@@ -261,3 +261,16 @@ def test_client_ids_are_unique_and_kept_when_given():
       assert rs[-1].call_id == "mine-1" and len({r.call_id for r in rs}) == 6
     await stub.stop()
   asyncio.run(main())
+
+
+def test_a_call_the_server_refuses_fails_alone_and_the_batch_goes_on():
+  # A 4xx raised out of execute() before: every other call of the batch was lost.
+  from sandbox.launcher import running_server
+  with running_server(max_children=2, pool_size=1, extra_args=["--preload", "json"]) as url:
+    async def main():
+      async with SandboxClient([url]) as c:
+        return await c.execute(["print(2)", "x = 1  # " + "#" * (1 << 20), "print(3)"])
+    ok2, big, ok3 = asyncio.run(main())
+  assert (ok2.status, ok2.stdout, ok3.status, ok3.stdout) == ("ok", "2\n", "ok", "3\n")
+  assert big.status == "internal_error" and "max_code_bytes" in big.error_message
+  assert big.call_id is not None and big.call_id != ok2.call_id

@@ -78,6 +78,21 @@ def test_exit_variants(run):
   assert (r.status, r.exit_code) == ("error", 3)
 
 
+def test_an_exit_status_past_32_bits_is_an_error_not_a_clean_exit(run):
+  # Its record used to be unreadable to the server, and the clean process exit then
+  # read as status ok.
+  r = run("import sys\nsys.exit(10 ** 5000)")
+  assert (r.status, r.exit_code, r.error_type) == ("error", 1, "SystemExit"), r
+  assert len(r.error_message) < 300
+
+
+def test_output_cut_at_the_cap_does_not_split_a_character(run):
+  r = run("print('\u20ac' * 30000)")   # 90 KB of 3-byte characters past the 64 KB cap
+  assert r.status == "output_exceeded"
+  kept, marker = r.stdout.split("\n[... output truncated", 1)
+  assert kept and set(kept) == {"\u20ac"}, kept[-5:]
+
+
 def test_sessions_keep_state_and_are_separate(client):
   calls = [
       {"code": "x = 40\ndef f(y):\n  return x + y", "session_id": "s1"},

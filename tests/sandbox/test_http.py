@@ -115,6 +115,45 @@ def test_content_type_and_size(url):
   assert code == 415
 
 
+def test_content_encoding_that_does_not_decode_is_a_400_and_an_unknown_one_a_415(url):
+  import gzip
+  body = json.dumps({"calls": [{"code": "print(1)"}]}).encode()
+  def send(encoding, data):
+    req = urllib.request.Request(f"{url}/execute", data=data, method="POST", headers={
+        "Content-Type": "application/json", "Content-Encoding": encoding})
+    try:
+      with _OPENER.open(req, timeout=60) as resp:
+        return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+      return e.code, json.loads(e.read())
+  code, answer = send("gzip", gzip.compress(body))
+  assert code == 200 and answer["results"][0]["stdout"] == "1\n"
+  for encoding, data in (("gzip", b"\x1f\x8b\x08\x00garbage"), ("deflate", b"not deflate")):
+    code, answer = send(encoding, data)   # was a 500 (or, decoded to nothing, bad JSON)
+    assert code == 400 and ("cannot read the request body" in answer["error"]
+                            or "not valid JSON" in answer["error"]), answer
+  code, answer = send("x-foo", body)     # was run as if it were plain JSON
+  assert code == 415 and "Content-Encoding must be gzip, deflate or none" in answer["error"]
+
+
+def test_finished_results_are_evicted_while_an_older_call_still_runs():
+  # The store's byte cap held only up to the oldest running call: behind a long call,
+  # every finished result was kept until it ended.
+  with running_server(max_children=4, pool_size=1, extra_args=[
+      "--preload", "json", "--result-cache-mb", "1"]) as u:
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      long = pool.submit(post, u, "/execute", {"calls": [
+          {"code": "import time\ntime.sleep(6)", "id": "long"}]})
+      time.sleep(0.5)
+      for i in range(30):   # 30 x 60 KB of output through a 1 MB store
+        code, _ = post(u, "/execute", {"calls": [{"code": "print('x' * 60000)", "id": f"o{i}"}]})
+        assert code == 200
+      remembered = stats(u)["remembered_ids"]
+      assert long.result()[0] == 200
+    assert remembered <= 18, remembered   # 1 MB / ~60 KB, plus the running one
+
+
 def test_lone_surrogates_are_a_syntax_error_of_the_call_not_of_the_server(url):
   # What a model's broken emoji escape ("\ud83d" without its pair) decodes to: the code
   # cannot be compiled (a tool error the model sees); as stdin it is just data.

@@ -67,6 +67,20 @@ def test_files_are_freed_when_the_call_ends(client):
   assert _shmem_mb() - before < 150
 
 
+def test_sysv_shared_memory_is_the_calls_own_and_goes_with_it(client, run):
+  # A segment outlived its call: the next calls could read it, and its pages stayed
+  # charged to the calls' memory budget.
+  make = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "libc.shmat.restype = ctypes.c_void_p\n"
+          "sid = libc.shmget(0x5EED, 16 << 20, 0o1000 | 0o666)\n"
+          "ctypes.memset(libc.shmat(sid, None, 0), 0x41, 16 << 20)\nprint(sid >= 0)")
+  assert [(r.status, r.stdout) for r in client.execute([{"code": make}] * 3)] == \
+      [("ok", "True\n")] * 3
+  r = run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "print(open('/proc/sysvipc/shm').read().count('\\n') - 1, libc.shmget(0x5EED, 0, 0))")
+  assert (r.status, r.stdout) == ("ok", "0 -1\n"), r
+
+
 def test_multiprocessing_works_inside_a_call(run):
   r = run("import multiprocessing as mp\ndef sq(x):\n  return x * x\n"
           "with mp.Pool(2) as p:\n  print(p.map(sq, range(6)))", timeout=20)
