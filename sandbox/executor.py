@@ -404,19 +404,26 @@ class Executor:
       result = await self._admitted(call, timeout, sess)
       sess.calls += 1
       sess.last_used = time.monotonic()
+    # A burst of new sessions while every open one was busy went past the cap; each
+    # holds a worker slot, so it comes back down as soon as sessions are idle.
+    self._trim_sessions(self.config.max_sessions)
     result.session_id = call.session_id
     result.session_new = new
     return result
 
+  def _trim_sessions(self, keep: int) -> None:
+    """Closes the least recently used idle sessions until at most `keep` are open."""
+    while len(self._sessions) > keep:
+      victim = next((s for s in self._sessions.values() if not s.lock.locked()), None)
+      if victim is None:
+        return
+      log.info("closing least recently used session %r (max_sessions reached)", victim.sid)
+      self._close_session_obj(victim)
+
   async def _open_session(self, sid: str) -> _Session | None:
     if not self._ready.is_set() or self._ctrl is None:
       return None
-    while len(self._sessions) >= self.config.max_sessions:
-      victim = next((s for s in self._sessions.values() if not s.lock.locked()), None)
-      if victim is None:
-        break
-      log.info("closing least recently used session %r (max_sessions reached)", victim.sid)
-      self._close_session_obj(victim)
+    self._trim_sessions(self.config.max_sessions - 1)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     mine.setblocking(False)
     sess = _Session(sid, mine, next(self._ids))

@@ -1,6 +1,7 @@
 """What a call sees and what comes back, through a real server (bwrap where it works)."""
 from __future__ import annotations
 
+from sandbox.client import SyncSandboxClient
 from sandbox.launcher import health
 
 
@@ -117,6 +118,25 @@ def test_sessions_keep_state_and_are_separate(client):
   assert client.close_session("s2") is True
   r = client.execute([{"code": "print('x' in globals())", "session_id": "s2"}])
   assert r[0].stdout == "False\n" and r[0].session_new
+
+
+def test_a_burst_of_sessions_comes_back_under_the_cap_and_leaves_slots_for_calls():
+  # Sessions opened while every open one was busy stayed past --max-sessions, each
+  # holding a worker slot, until plain calls found no child and timed out.
+  import json
+  import urllib.request
+  from sandbox.launcher import running_server
+  with running_server(max_children=2, pool_size=0,
+                      extra_args=["--preload", "json", "--max-sessions", "2"]) as url:
+    with SyncSandboxClient([url]) as c:
+      rs = c.execute([dict(code="import time\ntime.sleep(0.3)\nprint('s')", session_id=f"s{i}",
+                           timeout=20) for i in range(10)])
+      assert [r.status for r in rs] == ["ok"] * 10, [(r.status, r.error_message) for r in rs]
+      opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+      with opener.open(f"{url}/stats", timeout=10) as resp:
+        assert json.loads(resp.read())["sessions"] <= 2
+      rs = c.execute([dict(code="print(1)", timeout=5)] * 4)
+      assert [(r.status, r.stdout) for r in rs] == [("ok", "1\n")] * 4
 
 
 def test_bad_request_is_rejected_with_the_call_named(server_url):
