@@ -330,8 +330,11 @@ class Cluster:
     coordinator = ray.get(self.trainers[0].address.remote()) if n > 1 else ""
     for i, actor in enumerate(self.trainers):
       args = self.trainer_overrides(coordinator)
+      # Always said, also for one: a trainer on a node that Ray joined from an srun step
+      # inherits SLURM's variables, and would otherwise wait for that step's peers.
+      args += [f"--config.distributed.num_processes={n}"]
       if n > 1:
-        args += [f"--config.distributed.num_processes={n}", f"--config.distributed.process_id={i}"]
+        args += [f"--config.distributed.process_id={i}"]
       ray.get(actor.start.remote(args, dict(env or {})))
 
   def wait_trainers(self, timeout: float | None = None) -> list[int | None]:

@@ -29,8 +29,8 @@ class DistributedConfig:
   """`config.distributed`: how this process joins the others (MaxText style).
 
   Every field left at its default is taken from the environment: JAX_COORDINATOR_ADDRESS,
-  JAX_NUM_PROCESSES, JAX_PROCESS_ID; under SLURM (more than one task) JAX reads all
-  three from SLURM's variables.
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID; inside an srun step of more than one task JAX
+  reads all three from SLURM's variables. num_processes=1 is one process, always.
 
   Attributes:
     coordinator_address: host:port of process 0's coordinator service.
@@ -71,7 +71,10 @@ def _env_int(name: str) -> int | None:
 
 
 def _slurm_tasks() -> int:
-  if "SLURM_JOB_ID" not in os.environ:
+  """Tasks of the srun step this process belongs to (0: not in one). Outside srun (a
+  batch script's own shell, salloc, a Ray worker started there) SLURM_NTASKS is the
+  allocation's, and JAX would wait for peers that were never started."""
+  if "SLURM_JOB_ID" not in os.environ or "SLURM_STEP_ID" not in os.environ:
     return 0
   return _env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS") or 0
 
@@ -84,6 +87,8 @@ def resolve(cfg: DistributedConfig) -> dict[str, Any] | None:
   address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
   count = cfg.num_processes or _env_int("JAX_NUM_PROCESSES") or 0
   pid = cfg.process_id if cfg.process_id >= 0 else _env_int("JAX_PROCESS_ID")
+  if count == 1:   # said to be one process: no coordinator, whatever SLURM says
+    return None
   if address or count or pid is not None:
     missing = [name for name, given in (("coordinator_address", bool(address)),
                                         ("num_processes", bool(count)),

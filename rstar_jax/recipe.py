@@ -173,6 +173,19 @@ def _mark_done(workdir: str, stage: str, summary: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
+# How a run is launched, not what it computes: never a config change. Process 1 of a
+# multi-process run compares against the config.json that process 0 may have just
+# written (process_id 0); a resumed run may use another coordinator or process count;
+# a fleet's servers come up on new ports (or nodes) at every launch and requeue, and
+# the RL stages of a run whose SFT ran in-process go to servers (cluster_toy.py).
+_LAUNCH_KEYS = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
+                "distributed", "tools.urls", "rollout.servers", "rollout.backend")
+
+
+def _is_launch_key(path: str) -> bool:
+  return any(path == k or path.startswith(k + ".") for k in _LAUNCH_KEYS)
+
+
 def _diff(old: Any, new: Any, path: str = "") -> list[str]:
   if isinstance(old, dict) and isinstance(new, dict):
     out = []
@@ -212,13 +225,7 @@ def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
   if os.path.exists(path) and done:
     with open(path) as f:
       old = json.load(f)
-    # How the job is launched, not what it computes: process 1 of a multi-process run
-    # compares against the config.json that process 0 may have just written (which
-    # says process_id 0), and a resumed run may use another coordinator or process count.
-    ignore = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
-              "distributed")
-    changes = _diff({k: v for k, v in old.items() if k not in ignore},
-                    {k: v for k, v in json.loads(text).items() if k not in ignore})
+    changes = [c for c in _diff(old, json.loads(text)) if not _is_launch_key(c.split(":", 1)[0])]
     if changes and not cfg.allow_config_change:
       raise config_utils.ConfigError(
           f"{workdir} holds stages {done} (finished or resumable) made with another config; "

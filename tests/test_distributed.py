@@ -4,7 +4,7 @@ import pytest
 from rstar_jax import distributed as d
 
 _VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-         "SLURM_NTASKS", "SLURM_NPROCS")
+         "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_ID")
 
 
 @pytest.fixture(autouse=True)
@@ -33,12 +33,18 @@ def test_environment_and_explicit_fields_mix(monkeypatch):
   assert d.resolve(d.DistributedConfig(process_id=0))["process_id"] == 0
 
 
-def test_slurm_is_left_to_jax(monkeypatch):
+def test_slurm_is_left_to_jax_inside_an_srun_step_only(monkeypatch):
   monkeypatch.setenv("SLURM_JOB_ID", "77")
+  monkeypatch.setenv("SLURM_NTASKS", "8")
+  # The batch script's own shell (or salloc, or Ray started there): not an srun step,
+  # so one process, not a wait for 7 peers nobody started.
+  assert d.resolve(d.DistributedConfig()) is None
+  monkeypatch.setenv("SLURM_STEP_ID", "0")
+  assert d.resolve(d.DistributedConfig()) == {}
   monkeypatch.setenv("SLURM_NTASKS", "1")
   assert d.resolve(d.DistributedConfig()) is None
   monkeypatch.setenv("SLURM_NTASKS", "8")
-  assert d.resolve(d.DistributedConfig()) == {}
+  assert d.resolve(d.DistributedConfig(num_processes=1)) is None   # said: one process
 
 
 def test_incomplete_or_bad_settings_are_named(monkeypatch):

@@ -143,8 +143,18 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   recipe.check_workdir(dataclasses.replace(cfg, distributed=launch))
   # Where compiled programs are kept is not the run's config either (a sweep shares one).
   recipe.check_workdir(dataclasses.replace(cfg, compile_cache_dir=str(tmp_path / "shared")))
+  # Nor a fleet's addresses, new at every launch or requeue, nor moving the RL stages
+  # from in-process engines to servers (experiments/configs/cluster_toy.py's flow).
+  fleet = dataclasses.replace(
+      cfg, tools=dataclasses.replace(cfg.tools, urls=("http://node9:8321",)),
+      rollout=dataclasses.replace(cfg.rollout, backend="server",
+                                  servers=("http://node9:30000",)))
+  recipe.check_workdir(fleet)
   with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
     recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
+  with pytest.raises(config_utils.ConfigError, match=r"rollout\.engine\.num_slots"):
+    recipe.check_workdir(dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, engine=dataclasses.replace(cfg.rollout.engine, num_slots=3))))
 
 
 def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
