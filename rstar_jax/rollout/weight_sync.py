@@ -27,6 +27,7 @@ from rstar_jax.model import hf_io
 log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+_TMP = re.compile(r"\.tmp-\d+$")   # a version being written (by process `pid`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,22 @@ class DiskWeightSync:
     self.version: str | None = None
     self.last: dict[str, float] = {}
     self._count = 0
+    if distributed.is_main():
+      self._adopt_earlier_runs()
+
+  def _adopt_earlier_runs(self) -> None:
+    """The directory belongs to this run; what an earlier process of it left there (a
+    crash, the run resumed here) is cleaned up: checkpoints cut off while written go,
+    and its published versions count toward `keep`, oldest first, so that a resumed
+    run does not leave a full checkpoint behind per restart."""
+    if not os.path.isdir(self.directory):
+      return
+    entries = [e for e in os.scandir(self.directory) if e.is_dir(follow_symlinks=False)]
+    for e in sorted(entries, key=lambda e: e.stat().st_mtime):
+      if _TMP.search(e.name):
+        shutil.rmtree(e.path, ignore_errors=True)
+      else:
+        self.published.append(e.path)
 
   def publish(self, params, version: str | None = None) -> dict[str, float]:
     """Writes `params` as checkpoint `version` and moves every server onto it."""
@@ -102,12 +119,13 @@ class DiskWeightSync:
       if os.path.exists(final):                 # the same version again (a resumed run)
         shutil.rmtree(final)
       os.replace(tmp, final)
-      t1 = time.perf_counter()
-      per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
-      t2 = time.perf_counter()
+      # Counted before the servers are asked: a failed update must not leave it behind.
       if final in self.published:
         self.published.remove(final)
       self.published.append(final)
+      t1 = time.perf_counter()
+      per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
+      t2 = time.perf_counter()
       while len(self.published) > self.cfg.keep:
         shutil.rmtree(self.published.pop(0), ignore_errors=True)
       gb = nbytes / 1e9
