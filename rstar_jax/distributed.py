@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -165,6 +165,29 @@ def share_from_main(obj: Any = None) -> Any:
     buf[:] = np.frombuffer(payload, np.uint8)
   buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
   return obj if is_main() else pickle.loads(buf.tobytes())
+
+
+def on_main(fn: Callable[[], Any], what: str) -> Any:
+  """`fn()` run by process 0 alone, its result on every process.
+
+  When it raises, every process raises: process 0 its error, the others a RuntimeError
+  naming it. (A process 0 that raised inside its own block while the others waited in
+  `share_from_main`, or went on to the next collective, hung the whole job.)"""
+  if not multi_process():
+    return fn()
+  result, error = None, None
+  if is_main():
+    try:
+      result = fn()
+    except BaseException as e:  # noqa: BLE001 - an interrupt too: the others must not wait
+      error = e
+  shared = share_from_main(("error", f"{type(error).__name__}: {error}")
+                           if error is not None else ("ok", result))
+  if error is not None:
+    raise error
+  if shared[0] == "error":
+    raise RuntimeError(f"{what}: process 0 failed ({shared[1]})")
+  return shared[1]
 
 
 def host_value(x: jax.Array) -> np.ndarray:

@@ -390,8 +390,8 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
   if distributed.is_main() and cached is not None:
     logging.warning("%s: %s was made with other settings or data; filtering again", stage, cache)
   engines = ctx.engines_for(model, f"{stage}-filter")   # every process: a collective export
-  uids = distributed.share_from_main(
-      _unsolved(ctx, engines, stage_cfg, cache, made_with) if distributed.is_main() else None)
+  uids = distributed.on_main(lambda: _unsolved(ctx, engines, stage_cfg, cache, made_with),
+                             f"{stage}: filtering the hard subset")
   return [by_uid[u] for u in uids]
 
 
@@ -457,8 +457,8 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
   engines = ctx.engines_for(model, f"eval-{name}")   # every process: a collective export
-  return distributed.share_from_main(_evaluate(ctx, engines, name, source)
-                                     if distributed.is_main() else None)
+  return distributed.on_main(lambda: _evaluate(ctx, engines, name, source),
+                             f"evaluation {name}")
 
 
 def _evaluate(ctx: Context, engines, name: str, source: str):

@@ -119,6 +119,16 @@ if pid == 0:
   time.sleep(35)   # process 0 busy on its own (gloo's context set-up waits 30 s at most)
 d.barrier("after the stall")
 print("through the barrier")
+# A block process 0 runs alone fails: every process raises, none waits in the next
+# collective (a weight sync whose server refused the update hung the job).
+try:
+  d.on_main(lambda: 1 / 0, "a block of process 0")
+except ZeroDivisionError:
+  print("raised ZeroDivisionError")
+except RuntimeError as e:
+  print("raised", e)
+d.barrier("after the failed block")
+print("done")
 """
 
 
@@ -130,5 +140,9 @@ def test_a_process_busy_past_gloos_30_s_does_not_break_the_next_collective():
   procs = [subprocess.Popen([sys.executable, "-c", _STALL, str(i), addr], cwd=root,
                             env=dict(_env(1), PYTHONPATH=root), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  for log in _wait_all(procs, 200):
-    assert "through the barrier" in log, log[-2000:]
+  logs = _wait_all(procs, 200)
+  for log in logs:
+    assert "through the barrier" in log and "done" in log, log[-2000:]
+  assert "raised ZeroDivisionError" in logs[0]
+  assert ("raised a block of process 0: process 0 failed (ZeroDivisionError: division by "
+          "zero)") in logs[1], logs[1][-2000:]

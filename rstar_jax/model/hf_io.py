@@ -468,18 +468,32 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
   else:
     names = [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
   weight_map = {}
+  failed: BaseException | None = None
   for fname, entries in zip(names, plan):
+    # Every process, for the gathers; a write that failed on process 0 (a full disk)
+    # is raised after the last gather, so that no process waits in one forever.
     shard = {name: _hf_value(var, layer, kind, dtype) for name, var, layer, kind in entries}
-    if not main:
+    if not main or failed is not None:
       continue
     tmp = os.path.join(out_dir, fname + ".tmp")
-    save_file(shard, tmp, metadata={"format": "pt"})
+    try:
+      save_file(shard, tmp, metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001 - raised below, on every process
+      failed = e
     del shard
     written.append((tmp, os.path.join(out_dir, fname)))
     weight_map.update({name: fname for name, *_ in entries})
-  if not main:
-    distributed.barrier(f"save_hf {out_dir}")
-    return
+  distributed.on_main(
+      lambda: _finish_export(out_dir, model.cfg, dtype, total, plan, weight_map, written,
+                             tokenizer_dir, chat_template, failed),
+      f"save_hf {out_dir}")
+
+
+def _finish_export(out_dir, cfg, dtype, total, plan, weight_map, written, tokenizer_dir,
+                   chat_template, failed) -> None:
+  """Process 0: the index, config.json and tokenizer next to the written shards."""
+  if failed is not None:
+    raise failed
   if len(plan) > 1:
     index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
     tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
@@ -488,7 +502,7 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
     written.append((tmp, tmp[:-4]))
   tmp = os.path.join(out_dir, "config.json.tmp")
   with open(tmp, "w") as f:
-    json.dump(config_to_hf_dict(model.cfg, dtype), f, indent=2)
+    json.dump(config_to_hf_dict(cfg, dtype), f, indent=2)
   written.append((tmp, tmp[:-4]))
   # Over an earlier export: its config.json goes first and the new one comes last, so
   # that an export cut off in between has none and no loader takes it for complete.
@@ -512,7 +526,6 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
       os.remove(os.path.join(out_dir, fname))
   for tmp, final in written:   # config.json last
     os.replace(tmp, final)
-  distributed.barrier(f"save_hf {out_dir}")
 
 
 def _write_chat_template(out_dir: str, chat_template: str) -> None:

@@ -209,19 +209,8 @@ class RLTrainer:
     step = self.step
     batch = next(self.data)    # every process draws it: they all keep the data position
     # Process 0 alone generates; every process gets its metrics and batch arrays.
-    prepared, error = None, None
-    if distributed.is_main():
-      try:
-        prepared = self._prepare(batch, step)
-      except BaseException as e:
-        error = e
-    shared = distributed.share_from_main(
-        ("error", f"{type(error).__name__}: {error}") if error is not None else prepared)
-    if error is not None:
-      raise error
-    if shared and shared[0] == "error":
-      raise RuntimeError(f"step {step}: process 0 failed preparing the batch ({shared[1]})")
-    metrics, arrays = shared
+    metrics, arrays = distributed.on_main(lambda: self._prepare(batch, step),
+                                          f"step {step}: preparing the batch")
     if arrays is None:
       self.step += 1
       return metrics

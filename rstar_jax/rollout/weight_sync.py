@@ -99,7 +99,6 @@ class DiskWeightSync:
   def publish(self, params, version: str | None = None) -> dict[str, float]:
     """Writes `params` as checkpoint `version` and moves every server onto it."""
     from flax import nnx
-    from rstar_jax.rollout import sglang_engine
     self._count += 1
     version = str(version) if version is not None else f"v{self._count}"
     final = os.path.join(self.directory, version_dirname(version))
@@ -113,29 +112,31 @@ class DiskWeightSync:
       os.makedirs(self.directory, exist_ok=True)
     model = nnx.merge(self.graphdef, params)
     hf_io.save_hf(model, tmp, dtype=self.cfg.dtype)
-    last = None
-    if main:
-      nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
-      if os.path.exists(final):                 # the same version again (a resumed run)
-        shutil.rmtree(final)
-      os.replace(tmp, final)
-      # Counted before the servers are asked: a failed update must not leave it behind.
-      if final in self.published:
-        self.published.remove(final)
-      self.published.append(final)
-      t1 = time.perf_counter()
-      per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
-      t2 = time.perf_counter()
-      while len(self.published) > self.cfg.keep:
-        shutil.rmtree(self.published.pop(0), ignore_errors=True)
-      gb = nbytes / 1e9
-      last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
-              "sync/gb": gb, "sync/servers": float(len(per_server)),
-              "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
-    self.last = distributed.share_from_main(last)
+    self.last = distributed.on_main(lambda: self._serve(tmp, final, version, t0),
+                                    f"weight sync {version}")
     self.version = version
-    if not main:
-      return self.last
+    return self.last
+
+  def _serve(self, tmp: str, final: str, version: str, t0: float) -> dict[str, float]:
+    """Process 0: the written checkpoint into place, then every server onto it."""
+    from rstar_jax.rollout import sglang_engine
+    nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+    if os.path.exists(final):                 # the same version again (a resumed run)
+      shutil.rmtree(final)
+    os.replace(tmp, final)
+    # Counted before the servers are asked: a failed update must not leave it behind.
+    if final in self.published:
+      self.published.remove(final)
+    self.published.append(final)
+    t1 = time.perf_counter()
+    per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
+    t2 = time.perf_counter()
+    while len(self.published) > self.cfg.keep:
+      shutil.rmtree(self.published.pop(0), ignore_errors=True)
+    gb = nbytes / 1e9
+    last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
+            "sync/gb": gb, "sync/servers": float(len(per_server)),
+            "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
     log.info("weight sync %s: %.3f GB written in %.2f s, %d server(s) updated in %.2f s",
              version, gb, t1 - t0, len(per_server), t2 - t1)
-    return self.last
+    return last
