@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLLOUT_BACKENDS = ("server", "sglang")
@@ -49,6 +49,8 @@ class ClusterConfig:
     max_restarts: restarts of one server process before its actor gives up.
     log_dir: every process's log (`<role><i>.log`).
     startup_timeout_s: how long a server may take to answer /health.
+    forward_env: variables of the launching shell passed to every server and trainer
+      (where set): processes on a cluster that Ray joined do not inherit them.
   """
   ray_address: str = ""
   placement: str = "SPREAD"
@@ -70,6 +72,9 @@ class ClusterConfig:
   max_restarts: int = 3
   log_dir: str = "/tmp/rstar_cluster"
   startup_timeout_s: float = 300.0
+  forward_env: tuple[str, ...] = ("SANDBOX_ALLOW_WEAK_ISOLATION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                  "XLA_PYTHON_CLIENT_PREALLOCATE", "HF_HOME", "HF_HUB_OFFLINE",
+                                  "RSTAR_COMPILE_CACHE", "NCCL_DEBUG")
 
   def __post_init__(self):
     if self.rollout_backend not in ROLLOUT_BACKENDS:
@@ -109,12 +114,15 @@ def _healthy(url: str) -> bool:
     return False
 
 
-def server_command(role: str, cfg: ClusterConfig, host: str, port: int) -> list[str]:
-  """The command line of one server of `role` ("sandbox" or "rollout")."""
+def server_command(role: str, cfg: ClusterConfig, host: str, port: int,
+                   env: Mapping[str, str] | None = None) -> list[str]:
+  """The command line of one server of `role` ("sandbox" or "rollout"); `env` is the
+  environment it gets (default: this process's)."""
   py = sys.executable
+  env = os.environ if env is None else env
   if role == "sandbox":
     weak = (["--allow-weak-isolation"]
-            if os.environ.get("SANDBOX_ALLOW_WEAK_ISOLATION", "") == "1" else [])
+            if env.get("SANDBOX_ALLOW_WEAK_ISOLATION", "") == "1" else [])
     return [py, "-m", "sandbox.server", "--host", host, "--port", str(port), *weak,
             *cfg.sandbox_args]
   if cfg.rollout_backend == "server":
@@ -148,7 +156,8 @@ class ServerProcess:
   def _start(self) -> None:
     os.makedirs(self.cfg.log_dir, exist_ok=True)
     with open(self.log_path, "ab") as log:
-      self.proc = subprocess.Popen(server_command(self.role, self.cfg, self.host, self.port),
+      self.proc = subprocess.Popen(server_command(self.role, self.cfg, self.host, self.port,
+                                                 self.env),
                                    cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT,
                                    preexec_fn=_die_with_parent)
@@ -254,6 +263,7 @@ class Cluster:
     import ray
     from ray.util.placement_group import placement_group
     self.cfg = cfg
+    self.env = {k: os.environ[k] for k in cfg.forward_env if k in os.environ}
     t0 = time.perf_counter()
     if not ray.is_initialized():
       # The actors import this module: the checkout must be at the same path on every
@@ -285,7 +295,9 @@ class Cluster:
     cfg = self.cfg
     ray.get(self.pg.ready(), timeout=cfg.startup_timeout_s)
     server_actor = ray.remote(max_restarts=0)(ServerProcess)
-    trainer_actor = ray.remote(max_restarts=0)(TrainerProcess)
+    # Two threads: `stop` (SIGTERM, the trainer saves) must run while `wait` blocks;
+    # queued behind it, a Ctrl-C waited 90 s and then the trainer was killed unsaved.
+    trainer_actor = ray.remote(max_restarts=0, max_concurrency=2)(TrainerProcess)
     counts = {"sandbox": 0, "rollout": 0}
     for b, (role, cpus, gpus) in enumerate(roles):
       opts = dict(num_cpus=0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -294,7 +306,7 @@ class Cluster:
         self.trainers.append(trainer_actor.options(**opts).remote(len(self.trainers), cfg))
       else:
         self.servers[role].append(server_actor.options(**opts).remote(role, counts[role], cfg,
-                                                                      {}))
+                                                                      self.env))
         counts[role] += 1
     self.info = {role: ray.get([a.info.remote() for a in actors])
                  for role, actors in self.servers.items()}
@@ -335,7 +347,7 @@ class Cluster:
       args += [f"--config.distributed.num_processes={n}"]
       if n > 1:
         args += [f"--config.distributed.process_id={i}"]
-      ray.get(actor.start.remote(args, dict(env or {})))
+      ray.get(actor.start.remote(args, {**self.env, **(env or {})}))
 
   def wait_trainers(self, timeout: float | None = None) -> list[int | None]:
     import ray

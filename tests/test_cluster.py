@@ -1,6 +1,7 @@
-"""rstar_jax.cluster without Ray: the launch config's checks and the commands it builds.
-(The fleet itself runs on a real local Ray cluster in tests/test_recipe.py.)"""
+"""rstar_jax.cluster: the launch config's checks, the commands it builds, and stopping a
+fleet on a real local Ray (the whole fleet runs an RL stage in tests/test_recipe.py)."""
 import ast
+import os
 
 import pytest
 
@@ -39,3 +40,52 @@ def test_url_tuples_are_config_literals():
   urls = ["http://a:1", "http://b:2"]
   assert ast.literal_eval(cluster._tuple_text(urls)) == tuple(urls)
   assert ast.literal_eval(cluster._tuple_text(urls[:1])) == ("http://a:1",)
+
+
+_FAKE_TRAINER = '''
+import os, signal, sys, time
+mark = os.environ["FAKE_TRAINER_MARK"]
+def term(signum, frame):
+  open(mark, "a").write("saved on signal %d\\n" % signum)
+  sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+open(mark, "a").write("started HF_HOME=%s args=%s\\n" % (os.environ.get("HF_HOME"), sys.argv[1:]))
+while True:
+  time.sleep(0.1)
+'''
+
+
+def test_a_stopped_fleet_stops_its_trainer_gracefully_and_forwards_the_environment(
+    tmp_path, monkeypatch):
+  """On a real local Ray: shutting the fleet down while wait_trainers blocks (launch_cluster's
+  Ctrl-C) sends the trainer SIGTERM at once; queued behind wait it took 90 s and then
+  killed the trainer unsaved. Variables set in the launching shell reach the trainer
+  even where Ray's workers do not inherit them (set here after Ray started)."""
+  ray = pytest.importorskip("ray")
+  import threading
+  import time
+  (tmp_path / "fake_trainer.py").write_text(_FAKE_TRAINER)
+  mark = tmp_path / "mark"
+  ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={
+      "env_vars": {"PYTHONPATH": os.pathsep.join([cluster.REPO, str(tmp_path)]),
+                   "FAKE_TRAINER_MARK": str(mark)}})
+  try:
+    monkeypatch.setenv("HF_HOME", "/forwarded/hf")
+    fleet = cluster.Cluster(cluster.ClusterConfig(
+        sandbox_servers=0, rollout_servers=0, trainer_processes=1, trainer_cpus=1.0,
+        trainer_module="fake_trainer", trainer_config="none.py", log_dir=str(tmp_path / "logs")))
+    fleet.start_trainers()
+    waiter = threading.Thread(target=fleet.wait_trainers)
+    waiter.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not mark.exists():
+      time.sleep(0.1)
+    t0 = time.time()
+    fleet.shutdown()
+    took = time.time() - t0
+    waiter.join(30)
+  finally:
+    ray.shutdown()
+  text = mark.read_text()
+  assert "started HF_HOME=/forwarded/hf" in text and "num_processes=1" in text, text
+  assert "saved on signal 15" in text and took < 30, (text, took)
