@@ -22,17 +22,16 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-# RSTAR_TEST_COMPILE_CACHE=0 compiles everything afresh (the cache ruled out, or timed).
-_OWN_CACHE = _CACHE = None
-if os.environ.get("RSTAR_TEST_COMPILE_CACHE", "1") != "0":
-  if "RSTAR_COMPILE_CACHE" not in os.environ:
-    _OWN_CACHE = os.environ["RSTAR_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rstar_test_xla_")
-  _CACHE = os.environ["RSTAR_COMPILE_CACHE"]
-  # JAX reads these at import, here and in subprocesses; the recipe and the rollout
-  # server point their own caches at RSTAR_COMPILE_CACHE.
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+if "RSTAR_COMPILE_CACHE" not in os.environ:
+  _OWN_CACHE = os.environ["RSTAR_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rstar_test_xla_")
+else:
+  _OWN_CACHE = None
+_CACHE = os.environ["RSTAR_COMPILE_CACHE"]
+# JAX reads these at import, here and in subprocesses; the recipe and the rollout
+# server point their own caches at RSTAR_COMPILE_CACHE.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +39,7 @@ def _session_compile_cache():
   """A test that pointed this process's cache elsewhere (compile_cache.enable) gives it back."""
   yield
   jax = sys.modules.get("jax")
-  if _CACHE and jax is not None and jax.config.jax_compilation_cache_dir != _CACHE:
+  if jax is not None and jax.config.jax_compilation_cache_dir != _CACHE:
     from rstar_jax import compile_cache
     compile_cache.enable(_CACHE, min_compile_time_secs=0.0)
 
