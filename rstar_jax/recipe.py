@@ -89,8 +89,7 @@ class RecipeConfig:
   Attributes:
     compile_cache: keep XLA's compiled programs on disk (JAX's persistent cache), so that
       later stages, a resumed run and a rerun load them instead of compiling again.
-    compile_cache_dir: where (empty: $RSTAR_COMPILE_CACHE if set, as for the rollout
-      server, else <workdir>/compile_cache). Several runs may share one
+    compile_cache_dir: where (empty: <workdir>/compile_cache). Several runs may share one
       directory at once, e.g. a sweep's points (`experiments/sweep.py` sets it to
       <sweep dir>/compile_cache): the programs do not depend on the seed or the workdir.
     allow_random_init: let an RL stage or evaluation start from a randomly initialised
@@ -592,8 +591,7 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   if not todo:
     return reports
   if cfg.compile_cache:
-    compile_cache.enable(cfg.compile_cache_dir or os.environ.get("RSTAR_COMPILE_CACHE")
-                         or os.path.join(workdir, "compile_cache"))
+    compile_cache.enable(cfg.compile_cache_dir or os.path.join(workdir, "compile_cache"))
   # Held to the end, tear-down included: a signal that lands after the last step still
   # lets the stage in flight finish and the servers stop in order.
   with interrupt.StopRequests() as stop, _tools(cfg) as tools:

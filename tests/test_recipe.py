@@ -18,15 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = "experiments/configs/toy.py:smoke"   # tiny sizes: the whole pipeline in about a minute
 
 
-def _run(workdir, *extra, module="experiments.recipe", wait=True, check=True, config=SMOKE,
-         session_cache=True):
+def _run(workdir, *extra, module="experiments.recipe", wait=True, check=True, config=SMOKE):
   cmd = [sys.executable, "-m", module, "--config", config, f"--config.workdir={workdir}",
          *extra]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop
-  if not session_cache:   # the recipe's default: a cache in its workdir (tests/conftest.py)
-    env.pop("RSTAR_COMPILE_CACHE", None)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
   if not wait:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -45,7 +41,7 @@ def _metrics(path):
 @pytest.fixture(scope="module")
 def recipe_dir(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("recipe"))
-  log = _run(workdir, "--config.stage1.num_steps=2", session_cache=False)
+  log = _run(workdir, "--config.stage1.num_steps=2")
   return workdir, log
 
 
