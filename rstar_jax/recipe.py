@@ -381,13 +381,20 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
       "seed": ctx.config.seed, "agent": dataclasses.asdict(stage_cfg.agent),
       "model": [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
                 ctx.config.model.hf_dir]}, default=str))
-  cached = _read_json(cache) if distributed.is_main() else None
-  if distributed.share_from_main(bool(cached) and cached.get("made_with") == made_with
-                                 and all(u in by_uid for u in cached.get("uids", ()))):
-    uids = distributed.share_from_main(cached["uids"] if distributed.is_main() else None)
+
+  def reusable() -> list[str] | None:
+    cached = _read_json(cache)
+    if cached and cached.get("made_with") == made_with and all(
+        u in by_uid for u in cached.get("uids", ())):
+      return cached["uids"]
+    if cached is not None:
+      logging.warning("%s: %s was made with other settings or data; filtering again",
+                      stage, cache)
+    return None
+
+  uids = distributed.on_main(reusable, f"{stage}: reading {cache}")
+  if uids is not None:
     return [by_uid[u] for u in uids]
-  if distributed.is_main() and cached is not None:
-    logging.warning("%s: %s was made with other settings or data; filtering again", stage, cache)
   engines = ctx.engines_for(model, f"{stage}-filter")   # every process: a collective export
   uids = distributed.on_main(lambda: _unsolved(ctx, engines, stage_cfg, cache, made_with),
                              f"{stage}: filtering the hard subset")
@@ -623,8 +630,7 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
       raise interrupt.Interrupted(stop.signum or signal.SIGTERM, after=f"stage {done}")
 
   def last_done(before: str) -> str | None:
-    return distributed.share_from_main(_last_done(workdir, before)
-                                       if distributed.is_main() else None)
+    return distributed.on_main(lambda: _last_done(workdir, before), "reading DONE.json")
 
   for stage in todo:
     if stage == "eval":

@@ -70,10 +70,9 @@ class _Conflict(Exception):
 class _Rejected(Exception):
   """A 4xx other than 409: the server ran none of the request's calls."""
 
-  def __init__(self, message: str, status: int):
-    super().__init__(message)
-    self.status = status
-    m = re.match(r"HTTP 400: calls\[(\d+)\]", message)   # the server names the call it refuses
+  def __init__(self, status: int, error: str):
+    super().__init__(f"HTTP {status}: {error[:500]}")
+    m = re.match(r"calls\[(\d+)\]", error)   # a 400 names the call it refuses
     self.call_index = int(m.group(1)) if m and status == 400 else None
 
 
@@ -344,10 +343,10 @@ class SandboxClient:
         if resp.status != 200:
           text = await resp.text()
           try:
-            text = json.loads(text).get("error", text)
+            text = str(json.loads(text).get("error", text))
           except (ValueError, AttributeError):
             pass
-          raise _Rejected(f"HTTP {resp.status}: {str(text)[:500]}", resp.status)
+          raise _Rejected(resp.status, text)
         return await resp.json()
     except aiohttp.ClientConnectorError as e:  # no connection: the request never left
       raise _NotSent(f"{type(e).__name__}: {e}", refused=True) from None

@@ -625,13 +625,11 @@ class Executor:
   # -- the result -------------------------------------------------------------
   def _decode(self, job: _Job, kind: str) -> str:
     data = bytes(job.bufs[kind])
-    if job.exceeded == kind:   # cut at the byte cap: not inside a character
-      text = codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=False)
-    else:
-      text = data.decode("utf-8", "replace")
-    if job.exceeded == kind:
-      text += f"\n[... output truncated: {kind} exceeded {self.config.max_output_bytes} bytes ...]"
-    return text
+    if job.exceeded != kind:
+      return data.decode("utf-8", "replace")
+    # Cut at the byte cap: a character split there is left out, not replaced.
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=False)
+    return text + f"\n[... output truncated: {kind} exceeded {self.config.max_output_bytes} bytes ...]"
 
   def _result(self, job: _Job, sess: _Session | None) -> Result:
     r = Result(status="ok", stdout=self._decode(job, "out"), stderr=self._decode(job, "err"),

@@ -551,19 +551,25 @@ class JaxEngine:
         reused_prefix_tokens=s.reused, queue_wait_s=s.wait_s,
         # Both versions, as SGLang's spans would show them: check_weight_versions refuses it.
         weight_version=f"{s.version} -> {version}" if mixed else version)
-    fut = s.future
     with self._lock:
-      s.request, s.future = None, None
-      s.released_at = time.perf_counter()
-      if mixed or weights != self._weights:   # k/v of other weights than the next call's
-        s.cached, s.held_until = [], 0.0
-      elif (tok in req.continue_ids and self.config.reuse_prefix
-            and self.config.prefix_grace_s > 0 and reason is not None):
-        s.held_until = s.released_at + self.config.prefix_grace_s
-        self.metrics["held_slots"] += 1
+      fut = self._release(s, hold=reason is not None and tok in req.continue_ids)
     if reason is None:
       self.metrics["cancelled_requests"] += 1
     settle_future(fut, result)
+
+  def _release(self, s: _Slot, hold: bool = False) -> concurrent.futures.Future:
+    """Frees slot `s` (the caller holds the lock); returns its request's future. Its k/v
+    stay for prefix reuse unless weights other than the current ones made any of them;
+    `hold` keeps the slot for its trajectory's next turn (prefix_grace_s)."""
+    fut = s.future
+    s.request, s.future = None, None
+    s.released_at = time.perf_counter()
+    if s.weights != self._weights:   # updated since its prefill (counts only grow)
+      s.cached, s.held_until = [], 0.0
+    elif hold and self.config.reuse_prefix and self.config.prefix_grace_s > 0:
+      s.held_until = s.released_at + self.config.prefix_grace_s
+      self.metrics["held_slots"] += 1
+    return fut
 
   def _decode_step(self) -> None:
     n = self.config.num_slots

@@ -159,12 +159,7 @@ class ServedEngine(JaxEngine):
                 request_id=rid, output_ids=list(s.out_ids), logprobs=list(s.out_logps),
                 finish_reason="abort", prompt_tokens=len(s.request.input_ids),
                 reused_prefix_tokens=s.reused, queue_wait_s=s.wait_s)
-            fut = s.future
-            s.request, s.future = None, None
-            s.released_at = time.perf_counter()
-            if s.weights != self._weights:   # k/v of two weight versions: never reuse
-              s.cached, s.held_until = [], 0.0
-            settle_future(fut, result)
+            settle_future(self._release(s), result)
             return True
     return False
 

@@ -14,8 +14,8 @@ import numpy as np
 
 class _FirstFit:
   """Free space of up to `n` rows of `capacity`: the first row an item fits, in
-  O(log n) (a max tree over the rows' free space), where a scan of every row made
-  packing 222K conversations into ~20K rows a matter of tens of minutes."""
+  O(log n) (a max tree over the rows' free space). A scan of every row grows with
+  items x rows: 7.2 s against 0.26 s at 60K conversations into 8192-token rows."""
 
   def __init__(self, n: int, capacity: int):
     self.size = 1 << max(n - 1, 0).bit_length()
