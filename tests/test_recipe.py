@@ -5,6 +5,7 @@ subprocess, SFT and RL run the same code as the CPU recipe, with tiny sizes.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -233,6 +234,13 @@ def straight_rl(recipe_dir, tmp_path_factory):
   return _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
 
 
+def _synced_steps(d):
+  """The weight-sync directory's versions, without the launch's mark (`-3fa9c1`)."""
+  names = sorted(os.listdir(os.path.join(d, "weight_sync")))
+  assert all(re.fullmatch(r"stage\d-step\d+-[0-9a-f]{6}", n) for n in names), names
+  return [n.rsplit("-", 1)[0] for n in names]
+
+
 def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight_rl, tmp_path):
   """rollout.backend=server: stage 1 generates on two `rstar_jax.rollout.server`
   processes, which get the trainer's weights through disk after every update (float32
@@ -255,7 +263,7 @@ def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight
   _assert_same_metrics(straight_rl, rows)
   assert all(r["sync/servers"] == 2.0 and r["sync/gb"] > 0 for r in rows)
   # The checkpoints of the last two versions stay on disk; the servers say they got them.
-  assert sorted(os.listdir(os.path.join(d, "weight_sync"))) == ["stage1-step2", "stage1-step3"]
+  assert _synced_steps(d) == ["stage1-step2", "stage1-step3"]
   served_logs = "".join(open(s.log_path).read() for s in servers)
   assert "stage1-step3" in served_logs, served_logs[-2000:]
   assert "config error" not in log
@@ -306,7 +314,7 @@ def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, 
   rows = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
   _assert_same_metrics(straight_rl, rows)              # written once per step
   assert os.path.exists(os.path.join(d, "stage1", "DONE.json"))
-  assert sorted(os.listdir(os.path.join(d, "weight_sync"))) == ["stage1-step2", "stage1-step3"]
+  assert _synced_steps(d) == ["stage1-step2", "stage1-step3"]
 
 
 def test_rl_stage_on_a_ray_fleet_survives_a_killed_sandbox_server(recipe_dir, straight_rl,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 from typing import Sequence
 
@@ -122,7 +123,15 @@ class RLTrainer:
                                           rules=rules)
                        if config.old_logprobs == "recompute" else None)
     self.step = 0
-    self._sync_weights()
+    # This launch's mark on every version name: a server that missed this launch's
+    # updates (out of rotation, or restarted) holding an earlier launch's `stage1-step13`
+    # must not pass for holding this one's (a resumed step is not bitwise the same on
+    # every backend, nor after allow_config_change).
+    self.launch = distributed.share_from_main(secrets.token_hex(3))
+    # The engines move onto these parameters at the first step, not here: a resume or a
+    # carry-over replaces them first, and each sync is a full checkpoint write and a
+    # reload on every server (minutes at 14B).
+    self.version: str | None = None
     self._state_ok = True     # False while a donated state is inside the jitted step
     self.last_trajectories: list[agent_loop.Trajectory] = []
 
@@ -135,7 +144,7 @@ class RLTrainer:
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
     self.data.restore(meta["data"])
     self.step = int(meta["step"])
-    self._sync_weights()
+    self.version = None          # the engines follow at the next step
     self.writer.truncate_after(self.step)
     logging.info("resumed RL from %s at step %d", self.ckpt.directory, self.step)
     return True
@@ -151,7 +160,7 @@ class RLTrainer:
     finally:
       other.close()
     self.state = core.TrainState(self.state.step, state.params, state.opt_state)
-    self._sync_weights()
+    self.version = None          # the engines follow at the next step
     return True
 
   def save(self) -> None:
@@ -163,14 +172,16 @@ class RLTrainer:
     return self.state.params
 
   def weight_version(self, step: int | None = None) -> str:
-    """The name of the policy after `step` updates of this stage (`stage1-step12`)."""
+    """The name of the policy after `step` updates of this stage in this launch
+    (`stage1-step12-3fa9c1`)."""
     stage = os.path.basename(os.path.normpath(self.workdir))
-    return f"{stage}-step{self.step if step is None else step}"
+    return f"{stage}-step{self.step if step is None else step}-{self.launch}"
 
   def _sync_weights(self, step: int | None = None) -> None:
     """Engines generate with the current parameters, named by the step they follow."""
-    self.version = self.weight_version(step)
-    self.engines.update_weights(self.state.params, self.version)
+    version = self.weight_version(step)
+    self.engines.update_weights(self.state.params, version)
+    self.version = version       # only once the engines hold it
 
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)
@@ -207,6 +218,8 @@ class RLTrainer:
 
   def _run_step(self) -> dict[str, float]:
     step = self.step
+    if self.version is None:     # every process: the export is a collective
+      self._sync_weights()
     batch = next(self.data)    # every process draws it: they all keep the data position
     # Process 0 alone generates; every process gets its metrics and batch arrays.
     metrics, arrays = distributed.on_main(lambda: self._prepare(batch, step),

@@ -1,0 +1,85 @@
+"""rl.trainer.RLTrainer: when the engines get the trainer's weights, and under which name.
+
+A weight sync is a full checkpoint write and a reload on every rollout server (minutes
+at 14B), so a launch must not publish parameters that a resume or a carry-over is about
+to replace; and an earlier launch's version names must not be taken for this one's.
+"""
+import re
+
+import pytest
+
+from experiments.configs import toy
+from rstar_jax import recipe
+from rstar_jax.rl import trainer as rl_trainer
+from rstar_jax.rollout import backends
+
+
+class _Tools:
+  async def execute(self, calls):
+    return [{"status": "ok", "stdout": "1\n", "stderr": ""} for _ in calls]
+
+
+class _Recording:
+  """The engine pool, with every weight update and generation call logged in order."""
+
+  def __init__(self, pool, log):
+    self._pool, self.log = pool, log
+
+  def update_weights(self, params, version=None):
+    self.log.append(("sync", version))
+    self._pool.update_weights(params, version)
+
+  async def generate(self, request):
+    self.log.append(("generate", None))
+    return await self._pool.generate(request)
+
+  def __getattr__(self, name):
+    return getattr(self._pool, name)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+  root = tmp_path_factory.mktemp("rl_trainer")
+  cfg = recipe.build_config(toy.get_config("smoke"))
+  ctx = recipe.build_context(cfg, _Tools(), workdir=str(root))
+  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
+  yield cfg, ctx, model, pool, root
+  pool.stop()
+
+
+def _trainer(parts, stage, log):
+  cfg, ctx, model, pool, root = parts
+  return rl_trainer.RLTrainer(cfg.rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
+                              ctx.train_problems, engines=_Recording(pool, log), tools=ctx.tools,
+                              workdir=str(root / stage), seed=0, mesh=ctx.mesh, rules=ctx.rules)
+
+
+def test_engines_get_the_weights_once_at_the_first_step_and_after_each_update(parts):
+  log = []
+  t = _trainer(parts, "stage1", log)
+  assert not t.maybe_restore()
+  assert log == []                        # nothing published at construction
+  t.run(1, progress=False)
+  t.close()
+  syncs = [v for kind, v in log if kind == "sync"]
+  assert log[0][0] == "sync" and len(syncs) == 2, log[:3]   # before generating, after updating
+  first = log.index(("generate", None))
+  assert all(kind == "sync" for kind, _ in log[:first]) and first == 1
+  launch = syncs[0].rsplit("-", 1)[1]
+  assert re.fullmatch(r"[0-9a-f]{6}", launch)
+  assert syncs == [f"stage1-step0-{launch}", f"stage1-step1-{launch}"]
+
+  # The same stage resumed: the restored parameters are published once, at the next
+  # step (before: once at construction and again at the restore), under a new launch's
+  # names, so a server holding the first launch's step 1 is not taken to be current.
+  log.clear()
+  again = _trainer(parts, "stage1", log)
+  assert again.maybe_restore() and again.step == 1 and log == []
+  again.run(2, progress=False)
+  again.close()
+  syncs = [v for kind, v in log if kind == "sync"]
+  assert log[0][0] == "sync" and len(syncs) == 2
+  relaunch = syncs[0].rsplit("-", 1)[1]
+  assert relaunch != launch and syncs == [f"stage1-step1-{relaunch}", f"stage1-step2-{relaunch}"]
+
