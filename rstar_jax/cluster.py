@@ -13,6 +13,7 @@ Ray is optional (`pip install -r requirements-cluster.txt`); nothing else import
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import signal
@@ -46,7 +47,12 @@ class ClusterConfig:
     trainer_module / trainer_config / trainer_args: what the trainer processes run:
       `python -m <module> --config <config> <args>` plus the URLs and the distributed
       settings made here.
-    max_restarts: restarts of one server process before its actor gives up.
+    max_restarts / restart_window_s: a server process that exits more than
+      `max_restarts` times within `restart_window_s` seconds is given up on (a server
+      that keeps crashing at start); restarts further apart than that never add up.
+    hang_timeout_s: a server whose /health has not answered for this long is killed and
+      restarted like one that exited (0: never). Keep it above a weight update's
+      length: SGLang's /health can stall while it loads a checkpoint.
     log_dir: every process's log (`<role><i>.log`).
     startup_timeout_s: how long a server may take to answer /health.
     forward_env: variables of the launching shell passed to every server and trainer
@@ -70,6 +76,8 @@ class ClusterConfig:
   trainer_config: str = "experiments/configs/toy.py"
   trainer_args: tuple[str, ...] = ()
   max_restarts: int = 3
+  restart_window_s: float = 3600.0
+  hang_timeout_s: float = 900.0
   log_dir: str = "/tmp/rstar_cluster"
   startup_timeout_s: float = 300.0
   forward_env: tuple[str, ...] = ("SANDBOX_ALLOW_WEAK_ISOLATION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
@@ -89,7 +97,7 @@ class ClusterConfig:
     if self.trainer_processes < 0:
       raise ValueError("ClusterConfig.trainer_processes must be >= 0 (0: servers only)")
     for name in ("sandbox_cpus", "rollout_cpus", "rollout_gpus", "trainer_cpus",
-                 "trainer_gpus"):
+                 "trainer_gpus", "restart_window_s", "hang_timeout_s"):
       if getattr(self, name) < 0:
         raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -146,7 +154,9 @@ class ServerProcess:
     self.env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, self.env.get("PYTHONPATH"))
                                              if p)
     self.log_path = os.path.join(cfg.log_dir, f"{role}{index}.log")
-    self.restarts = 0
+    self.restarts = 0               # in all; the give-up rule counts recent ones
+    self._recent: collections.deque[float] = collections.deque()
+    self.hangs = 0
     self.gave_up = ""
     self._stop = threading.Event()
     self._start()
@@ -172,25 +182,48 @@ class ServerProcess:
                        f"healthy ({why}); log tail:\n{self.log_tail()}")
 
   def _supervise(self) -> None:
+    cfg = self.cfg
+    probe_every = min(30.0, cfg.hang_timeout_s / 4)
+    answered = next_probe = time.monotonic()
     while not self._stop.wait(0.5):
+      now = time.monotonic()
       if self.proc.poll() is None:
+        if cfg.hang_timeout_s and now >= next_probe:
+          next_probe = now + probe_every
+          if _healthy(self.url):
+            answered = now
+          elif now - answered > cfg.hang_timeout_s:
+            self.hangs += 1
+            self._note(f"{self.role}{self.index} has not answered /health for "
+                       f"{now - answered:.0f} s; killed")
+            self.proc.kill()
+            self.proc.wait()
         continue
-      if self.restarts >= self.cfg.max_restarts:
-        self.gave_up = f"exited {self.proc.returncode} after {self.restarts} restart(s)"
+      while self._recent and now - self._recent[0] > cfg.restart_window_s:
+        self._recent.popleft()
+      if len(self._recent) >= cfg.max_restarts:
+        self.gave_up = (f"exited {self.proc.returncode} after {len(self._recent)} restart(s) "
+                        f"within {cfg.restart_window_s:.0f} s")
+        self._note(f"{self.role}{self.index}: {self.gave_up}; given up")
         return
+      self._recent.append(now)
       self.restarts += 1
-      with open(self.log_path, "a") as f:
-        f.write(f"\n[cluster] {self.role}{self.index} exited {self.proc.returncode}; "
-                f"restart {self.restarts} on the same port\n")
+      self._note(f"{self.role}{self.index} exited {self.proc.returncode}; "
+                 f"restart {self.restarts} on the same port")
       try:
         self._start()
       except Exception as e:  # noqa: BLE001 - counted as a failed restart; tried again
-        with open(self.log_path, "a") as f:
-          f.write(f"[cluster] restart failed: {e}\n")
+        self._note(f"restart failed: {e}")
+      answered = next_probe = time.monotonic()
+
+  def _note(self, line: str) -> None:
+    with open(self.log_path, "a") as f:
+      f.write(f"\n[cluster] {line}\n")
 
   def info(self) -> dict[str, Any]:
     return {"role": self.role, "index": self.index, "url": self.url, "pid": self.proc.pid,
-            "restarts": self.restarts, "gave_up": self.gave_up, "log": self.log_path}
+            "restarts": self.restarts, "hangs": self.hangs, "gave_up": self.gave_up,
+            "log": self.log_path}
 
   def log_tail(self, n: int = 3000) -> str:
     try:

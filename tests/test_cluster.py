@@ -89,3 +89,50 @@ def test_a_stopped_fleet_stops_its_trainer_gracefully_and_forwards_the_environme
   text = mark.read_text()
   assert "started HF_HOME=/forwarded/hf" in text and "num_processes=1" in text, text
   assert "saved on signal 15" in text and took < 30, (text, took)
+
+
+def _wait(pred, what, timeout=60.0):
+  import time
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if pred():
+      return
+    time.sleep(0.1)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_server_is_restarted_when_it_hangs_and_restarts_far_apart_do_not_add_up(tmp_path):
+  """ServerProcess (the body of a fleet's server actor) on a real sandbox server: a
+  server that stops answering /health (SIGSTOP) is killed and restarted on its port;
+  exits further apart than restart_window_s never exhaust max_restarts (a long run lost
+  a server for good after its 3rd crash, however many days apart), while exits in a
+  burst still do."""
+  pytest.importorskip("ray")
+  import signal
+  import time
+  cfg = cluster.ClusterConfig(rollout_servers=0, sandbox_args=("--max-children", "2"),
+                              max_restarts=1, restart_window_s=4.0, hang_timeout_s=2.0,
+                              log_dir=str(tmp_path), startup_timeout_s=60.0)
+  env = {}
+  if os.environ.get("SANDBOX_ALLOW_WEAK_ISOLATION") == "1":
+    env["SANDBOX_ALLOW_WEAK_ISOLATION"] = "1"
+  srv = cluster.ServerProcess("sandbox", 0, cfg, env)
+  try:
+    first = srv.proc.pid
+    os.kill(first, signal.SIGSTOP)                 # alive, but answers nothing
+    _wait(lambda: srv.hangs == 1 and srv.proc.pid != first and cluster._healthy(srv.url),
+          "the hung server's restart")
+    assert srv.restarts == 1 and not srv.gave_up
+    time.sleep(cfg.restart_window_s + 0.5)         # the first restart is now old
+    second = srv.proc.pid
+    os.kill(second, signal.SIGKILL)
+    _wait(lambda: srv.proc.pid != second and cluster._healthy(srv.url),
+          "the second restart, a window after the first")
+    assert srv.restarts == 2 and not srv.gave_up
+    os.kill(srv.proc.pid, signal.SIGKILL)          # a second exit within the window
+    _wait(lambda: bool(srv.gave_up), "giving up")
+    assert "after 1 restart(s) within 4 s" in srv.gave_up, srv.gave_up
+    log = srv.log_tail(20000)
+    assert "has not answered /health" in log and "given up" in log, log
+  finally:
+    srv.stop()
