@@ -91,7 +91,7 @@ def _other_value(tp, current, path):
       "no_tool_correct_share": 0.25, "heldout_share": 0.1, "top_p": 0.9,
       "tool_schema": {"type": "function", "function": {
           "name": "py", "parameters": {"properties": {"code": {"type": "string"}}}}},
-      "rules": {"embed": "tensor"}, "cpu_collectives": "mpi",
+      "rules": {"embed": "tensor"}, "cpu_collectives": "mpi", "pause_mode": "abort",
   }
   if path[-2:] == ("weight_sync", "dtype"):
     return "float32"

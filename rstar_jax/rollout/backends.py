@@ -19,6 +19,7 @@ from rstar_jax.registry import Registry
 from rstar_jax.rollout import scheduler
 from rstar_jax.rollout.engine import Engine
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
+from rstar_jax.rollout.sglang_engine import ClientConfig
 from rstar_jax.rollout.weight_sync import DiskWeightSync, WeightSyncConfig
 
 Backend = Callable[["RolloutConfig", object], Sequence[Engine]]
@@ -37,6 +38,8 @@ class RolloutConfig:
       ("http://node1:30000", "http://node2:30000"); one engine per URL.
     weight_sync: how those servers get the trainer's weights (a versioned checkpoint
       on storage they read).
+    client: the HTTP client of those servers (time limits, retries, probing, the pause
+      mode of weight updates; `sglang_engine.ClientConfig`).
   """
   backend: str = "jax"
   num_engines: int = 1
@@ -44,6 +47,7 @@ class RolloutConfig:
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   servers: tuple[str, ...] = ()
   weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+  client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
 
   def __post_init__(self):
     BACKENDS.lookup(self.backend)            # raises naming the known backends
@@ -79,7 +83,7 @@ def _http_engines(cfg: RolloutConfig, model) -> list[Engine]:
   expected = None
   if model is not None and hasattr(model, "cfg"):
     expected = hf_io.config_to_hf_dict(model.cfg, model.cfg.param_dtype)
-  return sglang_engine.connect(cfg.servers, expected_model=expected)
+  return sglang_engine.connect(cfg.servers, config=cfg.client, expected_model=expected)
 
 
 def build_engine_pool(cfg: RolloutConfig, model=None, *, workdir: str | None = None

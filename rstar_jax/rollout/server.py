@@ -36,12 +36,18 @@ with a 400 naming it, never silently ignored:
                             holds new ones (as SGLang's model-update lock); paused: at
                             once. The weight version is reported by /model_info and in
                             every reply's meta_info.
-  GET /model_info, /server_info (context length = --max_len, KV capacity = slots x
+  GET /model_info, /server_info (max_req_input_len = max_context_length = --max_len: inputs
+  must be shorter, as on SGLang; KV capacity = slots x
   max_len), /v1/loads (per-rank load snapshot), /health, /health_generate, /ready.
 
 Differences from SGLang worth knowing: the engine stops only on stop_token_ids (SGLang
 also stops on the model's EOS unless ignore_eos); log-probs are log_softmax(logits / T)
 over the full vocabulary (top-p/top-k restrict only the draw), as the trainer computes.
+SGLang 0.5.23 also differs here (read from its source; the client copes with each): it
+honours sampling_seed only with --enable-deterministic-inference; it drops an abort for
+a request held at its pause gate (the client aborts again after continue_generation);
+after an "in_place" pause it loads new weights but refuses the cache flush and answers
+400 (the client never pauses in place for an update).
 """
 from __future__ import annotations
 
@@ -543,6 +549,8 @@ class RolloutServer:
     return web.json_response({
         "model_path": self.model_path, "served_model_name": self.model_path,
         "tokenizer_path": self.model_path, "max_context_length": cfg.max_len,
+        # SGLang's limit: inputs must be shorter (our engine's rule for max_len too).
+        "max_req_input_len": cfg.max_len, "status": "ready",
         "max_total_num_tokens": cfg.num_slots * cfg.max_len,
         "max_running_requests": cfg.num_slots,
         "version": f"rstar_jax rollout server (SGLang {SGLANG_API_VERSION} API subset)",

@@ -19,7 +19,7 @@ against `output_ids` when present; the finish reason from `meta_info.finish_reas
 Admin calls: `/abort_request`, `/flush_cache` (retried while it answers 400: requests
 still running), `/pause_generation`, `/continue_generation`,
 `/update_weights_from_disk` (with `weight_version`), `/model_info` (confirms it),
-`/health`, `/server_info` (context length, KV capacity) and `/v1/loads` (the server's
+`/health`, `/server_info` (`max_req_input_len`: the length limit; KV capacity) and `/v1/loads` (the server's
 used / total KV tokens, polled in the background for the scheduler's `free_kv_tokens`).
 
 Failure handling:
@@ -69,7 +69,8 @@ _DEAD_FREE_KV = -(1 << 40)   # what a server out of rotation reports to the sche
 _MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "tie_word_embeddings")
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place")   # what /pause_generation accepts
+UPDATE_PAUSE_MODES = ("abort", "retract")        # what a weight update may pause with
 
 
 # ---- Errors ------------------------------------------------------------------------
@@ -129,7 +130,11 @@ class ClientConfig:
     poll_timeout_s: limit of one /v1/loads read; a server that does not answer in time
       leaves rotation until /health answers again.
     flush_retries: /flush_cache attempts while it answers 400.
-    pause_mode: SGLang's pause mode for weight updates ("abort", "retract", "in_place").
+    no_server_wait_s: how long a request waits for a server back in rotation when every
+      server is out (a restart takes seconds) before the batch fails (NoServerAvailable).
+    pause_mode: SGLang's pause mode for weight updates ("abort" or "retract"). Not
+      "in_place": SGLang then updates the weights but refuses the cache flush while the
+      paused requests hold it, answers 400 and keeps reporting the old version.
   """
   connect_timeout_s: float = 10.0
   request_timeout_s: float | None = None
@@ -142,11 +147,14 @@ class ClientConfig:
   load_poll_s: float = 1.0
   poll_timeout_s: float = 10.0
   flush_retries: int = 30
+  no_server_wait_s: float = 60.0
   pause_mode: str = "retract"
 
   def __post_init__(self):
-    if self.pause_mode not in PAUSE_MODES:
-      raise ValueError(f"ClientConfig.pause_mode: {self.pause_mode!r}, choose from {PAUSE_MODES}")
+    if self.pause_mode not in UPDATE_PAUSE_MODES:
+      raise ValueError(f"ClientConfig.pause_mode: {self.pause_mode!r}, choose from "
+                       f"{UPDATE_PAUSE_MODES} (in_place cannot be followed by a weight update "
+                       f"with a cache flush on SGLang)")
     if self.retries < 0 or self.flush_retries < 1:
       raise ValueError("ClientConfig: retries must be >= 0 and flush_retries >= 1")
 
@@ -242,8 +250,10 @@ def parse_generate_reply(reply: Any, request: GenerationRequest, *, rid: str, ur
       raise bad(f"meta_info.output_token_logprobs[{k}] must be [logprob, token_id, text], "
                 f"got {e!r:.80}")
     lp = float(e[0])
-    if math.isnan(lp) or lp > 1e-4:
-      raise bad(f"meta_info.output_token_logprobs[{k}]: log-prob {lp} is not <= 0")
+    # -inf too: a sampled token has positive probability, and an infinite log-prob
+    # would poison the step's importance ratios.
+    if not math.isfinite(lp) or lp > 1e-4:
+      raise bad(f"meta_info.output_token_logprobs[{k}]: log-prob {lp} is not finite and <= 0")
     ids.append(e[1])
     logps.append(lp)
   out_ids = reply.get("output_ids")
@@ -277,6 +287,11 @@ def parse_generate_reply(reply: Any, request: GenerationRequest, *, rid: str, ur
   ptoks = meta.get("prompt_tokens", len(request.input_ids))
   if not _is_int(ptoks):
     raise bad(f"meta_info.prompt_tokens must be an integer, got {ptoks!r:.50}")
+  if ptoks != len(request.input_ids):
+    # SGLang with --allow-auto-truncate keeps the prompt's head only; a continuation
+    # of that would be spliced onto the whole context.
+    raise bad(f"meta_info.prompt_tokens={ptoks} but {len(request.input_ids)} input ids were "
+              f"sent (the server truncated the prompt?)")
   kind = fr["type"]
   if kind == "stop":
     if not ids:
@@ -420,6 +435,11 @@ class SGLangEngine:
     self._pending: dict[int, int] = {}
     self._pending_ids = itertools.count()
     self._by_request: dict[str, str] = {}   # request_id -> rid in flight
+    # /generate exchanges in flight (rid -> task): a server that leaves rotation hands
+    # them to another server, or a silent server would hold them forever.
+    self._calls: dict[str, asyncio.Task] = {}
+    self._dropped: set[str] = set()
+    self._abort_after_pause: set[str] = set()   # aborted during a weight update's pause
     # KV tokens the server's last /v1/loads counted beyond our own requests in flight
     # (other clients'); our own come from local accounting, which is never stale.
     self._others_used = 0
@@ -542,9 +562,14 @@ class SGLangEngine:
     tried: list[SGLangEngine] = []
     engine: SGLangEngine | None = self
     reasons = []
+    wait_until = None
     while True:
       if engine is None or not engine.alive:
         engine = self.group.pick(exclude=tried)
+        if engine is None:
+          if wait_until is None:
+            wait_until = time.monotonic() + self.config.no_server_wait_s
+          engine = await self._wait_for_a_server(wait_until)
         if engine is None:
           raise NoServerAvailable(
               f"no server left for request {request.request_id}: " + "; ".join(reasons or [
@@ -559,6 +584,17 @@ class SGLangEngine:
         reasons.append(f"{engine.url}: {e}")
         tried.append(engine)
         engine = None
+
+  async def _wait_for_a_server(self, until: float) -> "SGLangEngine | None":
+    """A server back in rotation (probes run meanwhile), or None at `until`."""
+    while time.monotonic() < until:
+      for e in self.group.engines:
+        e._maybe_probe()
+      await asyncio.sleep(min(self.config.probe_interval_s, max(0.0, until - time.monotonic())))
+      engine = self.group.pick()
+      if engine is not None:
+        return engine
+    return None
 
   async def _generate_here(self, request: GenerationRequest, registered=None
                            ) -> ServedResult:
@@ -579,9 +615,19 @@ class SGLangEngine:
         registered()
         registered = None
       self.metrics["requests"] += 1
+      call = asyncio.ensure_future(self._http("POST", "/generate", body,
+                                              timeout=self.config.request_timeout_s))
+      self._calls[rid] = call
       try:
-        status, parsed, raw = await self._http("POST", "/generate", body,
-                                               timeout=self.config.request_timeout_s)
+        try:
+          status, parsed, raw = await call
+        except asyncio.CancelledError:
+          if rid in self._dropped and not asyncio.current_task().cancelling():
+            # _mark_dead's, not the caller's: no reply came, so it may run elsewhere.
+            raise _Unreachable(f"left rotation while request {request.request_id} ran "
+                               f"({self.dead_reason})") from None
+          call.cancel()
+          raise
       except _Unreachable as e:
         last = e
         self.metrics["retries"] += 1
@@ -599,6 +645,8 @@ class SGLangEngine:
         asyncio.ensure_future(self._abort_quietly(rid))
         raise
       finally:
+        self._calls.pop(rid, None)
+        self._dropped.discard(rid)
         with self._lock:
           self._inflight.pop(rid, None)
           if self._by_request.get(request.request_id) == rid:
@@ -625,10 +673,14 @@ class SGLangEngine:
 
   # ---- Health, model check, probing ------------------------------------------------
   def _mark_dead(self, reason: str) -> None:
+    """Out of rotation (on the I/O loop): its requests in flight go to other servers."""
     if self.alive:
       logging.warning("sglang: %s leaves rotation: %s", self.url, reason)
     self.alive = False
     self.dead_reason = reason
+    for rid, call in list(self._calls.items()):
+      self._dropped.add(rid)
+      call.cancel()
     self._next_probe = time.monotonic() + self.config.probe_interval_s
     self._maybe_probe()
 
@@ -653,13 +705,14 @@ class SGLangEngine:
           if isinstance(e, ServerMismatchError):
             self.dead_reason = str(e)
           continue
-        target = self.group.target
-        if target is not None and self.weight_version != target[1]:
-          try:   # it missed a weight update while away
+        try:
+          # It missed weight updates while away; the trainer may publish again while it
+          # catches up (it skips servers out of rotation), so until it holds the latest.
+          while (target := self.group.target) is not None and self.weight_version != target[1]:
             await self._sync_from_disk(*target)
-          except (_Unreachable, SGLangError) as e:
-            self.dead_reason = f"catching up to weight version {target[1]}: {e}"
-            continue
+        except (_Unreachable, SGLangError) as e:
+          self.dead_reason = f"catching up to weight version {target[1]}: {e}"
+          continue
         self.alive = True
         self.dead_reason = ""
         logging.warning("sglang: %s is back in rotation", self.url)
@@ -688,10 +741,17 @@ class SGLangEngine:
     status, info, raw = await self._http("GET", "/server_info", timeout=30)
     if status != 200 or not isinstance(info, dict):
       raise MalformedReplyError(f"{self.url}/server_info: HTTP {status}: {raw[:300]}")
-    ctx, total = info.get("max_context_length"), info.get("max_total_num_tokens")
-    if not _is_int(ctx) or ctx <= 1:
-      raise MalformedReplyError(f"{self.url}/server_info: max_context_length must be a positive "
-                                f"integer, got {ctx!r:.50}")
+    # SGLang's Python server states no context length of its own (its `context_length`
+    # is the launch flag, often null) but the scheduler's `max_req_input_len`: inputs of
+    # that many tokens or more are refused, and a request's output is capped a few
+    # tokens above it, so it bounds input + output here. Our server states both.
+    limits = {k: info.get(k) for k in ("max_req_input_len", "max_context_length")
+              if info.get(k) is not None}
+    if not limits or not all(_is_int(v) and v > 1 for v in limits.values()):
+      raise MalformedReplyError(
+          f"{self.url}/server_info: needs max_req_input_len (SGLang) or max_context_length "
+          f"as an integer > 1, got {limits or 'neither'}")
+    ctx, total = min(limits.values()), info.get("max_total_num_tokens")
     if total is not None and not _is_int(total):
       raise MalformedReplyError(f"{self.url}/server_info: max_total_num_tokens must be an "
                                 f"integer, got {total!r:.50}")
@@ -772,6 +832,8 @@ class SGLangEngine:
     return self.group.io.call(coro, timeout or self.config.admin_timeout_s + 60)
 
   async def _abort_quietly(self, rid: str):
+    if self._syncing:
+      self._abort_after_pause.add(rid)
     try:
       await self._http("POST", "/abort_request", abort_body(rid), timeout=10)
     except Exception:   # best effort: the server may be gone
@@ -783,6 +845,8 @@ class SGLangEngine:
       with engine._lock:
         rid = engine._by_request.get(request_id)
       if rid is not None:
+        if engine._syncing:
+          engine._abort_after_pause.add(rid)
         await asyncio.wrap_future(self.group.io.submit(
             engine._admin("POST", "/abort_request", abort_body(rid))))
         return True
@@ -819,6 +883,11 @@ class SGLangEngine:
                                  status)
     finally:
       await self._admin("POST", "/continue_generation", continue_body())
+      # SGLang drops an abort for a request held at its pause gate (its scheduler does
+      # not have it yet), and the request then runs to the end once generation goes on.
+      again, self._abort_after_pause = self._abort_after_pause, set()
+      for rid in again:
+        asyncio.ensure_future(self._abort_quietly(rid))
     info = await self._check_model()
     if info.get("weight_version") != str(weight_version):
       raise SGLangError(f"{self.url}: /model_info reports weight_version "
@@ -881,17 +950,17 @@ def update_weights_from_disk(engines: Sequence[Any], model_path: str,
     raise TypeError(f"update_weights_from_disk: not HTTP engines: {bad}")
   if not engines:
     return {}
-  alive = [e for e in engines if e.alive]
-  if len(alive) < len(engines):
-    logging.warning("sglang: %d server(s) out of rotation are not updated now; they are "
-                    "checked against the model when they come back",
-                    len(engines) - len(alive))
-
-  for e in engines:
-    e.group.target = (model_path, str(weight_version))
 
   async def all_():
-    return await asyncio.gather(*(e._sync_from_disk(model_path, weight_version)
-                                  for e in alive))
-  secs = engines[0]._run(all_())
+    # On the I/O loop, as the probes that bring servers back: a server is either
+    # updated here or sees the new target before it rejoins, never neither.
+    alive = [e for e in engines if e.alive]
+    if len(alive) < len(engines):
+      logging.warning("sglang: %d server(s) out of rotation are not updated now; they "
+                      "catch up before they rejoin", len(engines) - len(alive))
+    for e in engines:
+      e.group.target = (model_path, str(weight_version))
+    return alive, await asyncio.gather(*(e._sync_from_disk(model_path, weight_version)
+                                         for e in alive))
+  alive, secs = engines[0]._run(all_())
   return {e.url: s for e, s in zip(alive, secs)}

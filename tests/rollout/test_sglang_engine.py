@@ -101,6 +101,9 @@ class FakeServer:
     self.report_version = None
     self.healthy = True
     self.hang = set()   # routes that never answer
+    self.server_info = {"max_context_length": 64, "max_total_num_tokens": 256}
+    self.update_delay = 0.0
+    self.stopping = False
     self.flush_answers: list[int] = []
     self.calls: list[tuple[str, object]] = []
     self.loop = asyncio.new_event_loop()
@@ -133,7 +136,7 @@ class FakeServer:
 
   async def _server_info(self, request):
     self.calls.append(("/server_info", None))
-    return web.json_response({"max_context_length": 64, "max_total_num_tokens": 256})
+    return web.json_response(self.server_info)
 
   async def _loads(self, request):
     self.calls.append(("/v1/loads", None))
@@ -144,6 +147,9 @@ class FakeServer:
   async def _generate(self, request):
     body = await request.json()
     self.calls.append(("/generate", body))
+    if "/generate" in self.hang:   # silent until the test ends
+      while not self.stopping:
+        await asyncio.sleep(0.05)
     out = self.generate(body)
     if out == "drop":
       request.transport.abort()
@@ -178,6 +184,7 @@ class FakeServer:
   async def _update(self, request):
     body = await request.json()
     self.calls.append(("/update_weights_from_disk", body))
+    await asyncio.sleep(self.update_delay)
     self.model_path = body["model_path"]
     self.weight_version = body["weight_version"]
     return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
@@ -186,6 +193,8 @@ class FakeServer:
     return sum(r == "/generate" for r, _ in self.calls)
 
   def stop(self):
+    self.stopping = True
+
     async def down():
       await self.runner.cleanup()
     asyncio.run_coroutine_threadsafe(down(), self.loop).result(10)
@@ -194,7 +203,7 @@ class FakeServer:
 
 
 FAST = se.ClientConfig(backoff_s=0.01, backoff_max_s=0.05, retries=2, probe_interval_s=0.05,
-                       load_poll_s=0, startup_timeout_s=10)
+                       load_poll_s=0, startup_timeout_s=10, no_server_wait_s=0.3)
 
 
 @pytest.fixture
@@ -243,6 +252,10 @@ MALFORMED = {
                                                "output_token_logprobs": []}},
     "positive logprob": lambda b: {"meta_info": {"finish_reason": {"type": "length"},
                                                  "output_token_logprobs": [[3.0, 5, None]]}},
+    "-inf logprob": (200, b'{"meta_info": {"finish_reason": {"type": "length"}, '
+                     b'"output_token_logprobs": [[-Infinity, 5, null]]}}'),
+    "truncated prompt": lambda b: {**good_reply(b), "meta_info": {
+        **good_reply(b)["meta_info"], "prompt_tokens": 2}},
     "outside vocab": lambda b: good_reply(b, ids=(5, 99999)),
     "output_ids not a list": lambda b: dict(good_reply(b), output_ids=5),
     "not utf-8": (200, b'{"text": "\xff\xfe"}'),
@@ -253,7 +266,8 @@ MALFORMED = {
 WHAT = {"not json": "not JSON", "no meta_info": "no meta_info", "no logprobs":
         "output_token_logprobs missing", "bad entry": r"output_token_logprobs\[0\]",
         "ids differ": "output_ids", "unknown finish": "finish_reason",
-        "positive logprob": "not <= 0", "outside vocab": "outside the vocabulary",
+        "positive logprob": "not finite and <= 0", "-inf logprob": "-inf is not finite",
+        "truncated prompt": "prompt_tokens=2 but 3 input ids", "outside vocab": "outside the vocabulary",
         "output_ids not a list": "output_ids must be a list", "not utf-8": "no meta_info",
         "huge number": "reply is not JSON",
         "bad weight spans": "weight_versions must be a list of"}
@@ -443,3 +457,125 @@ def test_weight_update_sequence_and_unconfirmed_version(fakes):
   finally:
     for e in engines:
       e.stop()
+
+
+def test_real_sglang_server_info_gives_the_length_limit(fakes):
+  """SGLang 0.5.23's /server_info (Python frontend) has no max_context_length: the
+  server flags (context_length often null) and the scheduler's max_req_input_len, which
+  inputs must stay below. Requiring max_context_length refused every real server."""
+  fake = fakes()
+  fake.server_info = {"context_length": None, "max_total_num_tokens": 256, "status": "ready",
+                      "max_req_input_len": 59, "version": "0.5.23", "frontend": "python"}
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    assert eng.max_len == 59
+    with pytest.raises(ValueError, match="do not fit"):
+      run(eng.generate(GenerationRequest(input_ids=list(range(59)), max_new_tokens=1)))
+  finally:
+    eng.stop()
+  fake.server_info = {"context_length": None, "max_total_num_tokens": 256}
+  with pytest.raises(se.MalformedReplyError, match="max_req_input_len .SGLang. or "
+                                                   "max_context_length.*neither"):
+    se.connect([fake.url], config=FAST)
+
+
+def test_a_silent_server_hands_its_requests_to_another(fakes):
+  """A server that stops answering (a hung host) leaves rotation when /v1/loads times
+  out; its requests in flight, which got no reply, go to another server. Before, they
+  waited for the silent server forever (request_timeout_s is None: generations are long)."""
+  a, b = fakes(), fakes()
+  a.hang = {"/generate", "/v1/loads"}
+  cfg = dataclasses.replace(FAST, load_poll_s=0.05, poll_timeout_s=0.3, probe_interval_s=5.0)
+  ea, eb = se.connect([a.url, b.url], config=cfg)
+  try:
+    async def go():
+      return await asyncio.wait_for(ea.generate(REQ), 20)
+    out = run(go())
+    assert out.server == b.url and not ea.alive and "/v1/loads" in ea.dead_reason
+    assert a.generates() == 1 and b.generates() == 1
+    assert ea.metrics["failovers"] == 1
+  finally:
+    ea.stop()
+    eb.stop()
+
+
+def test_requests_wait_for_a_server_back_in_rotation(fakes):
+  """Every server out for a moment (one server restarting): a request waits up to
+  no_server_wait_s for a probe to bring one back. Before, NoServerAvailable (which is
+  not a per-trajectory failure) failed the whole batch at once."""
+  a = fakes(lambda b: "drop")
+  cfg = dataclasses.replace(FAST, no_server_wait_s=30.0)
+  [eng] = se.connect([a.url], config=cfg)
+  a.healthy = False
+
+  def back():
+    time.sleep(0.5)
+    a.generate = good_reply
+    a.healthy = True
+  threading.Thread(target=back, daemon=True).start()
+  try:
+    out = run(eng.generate(REQ))
+    assert out.output_ids == [5, 6, 2] and eng.alive and a.generates() >= 2
+  finally:
+    eng.stop()
+
+
+def test_a_returning_server_catches_up_to_the_latest_weights(fakes):
+  """The trainer publishes again while a returning server is still loading the version
+  it missed (the trainer skips servers out of rotation): it loads the newer one too
+  before it rejoins. Before, it rejoined serving the older version."""
+  a, b = fakes(), fakes()
+  ea, eb = se.connect([a.url, b.url], config=dataclasses.replace(FAST, probe_interval_s=0.1))
+  try:
+    b.healthy = False
+    eb.group.io.call(_dead(eb), 10)
+    se.update_weights_from_disk([ea, eb], "/ckpt/v1", "v1")      # a only
+    b.update_delay = 1.0
+    b.healthy = True                                             # catching up to v1...
+    deadline = time.monotonic() + 10
+    while not any(r == "/update_weights_from_disk" for r, _ in b.calls):
+      assert time.monotonic() < deadline
+      time.sleep(0.02)
+    se.update_weights_from_disk([ea, eb], "/ckpt/v2", "v2")      # ...when v2 comes
+    while not eb.alive:
+      assert time.monotonic() < deadline
+      time.sleep(0.02)
+    assert eb.weight_version == "v2" and b.weight_version == "v2"
+    assert [body["weight_version"] for r, body in b.calls
+            if r == "/update_weights_from_disk"] == ["v1", "v2"]
+  finally:
+    ea.stop()
+    eb.stop()
+
+
+async def _dead(engine):
+  engine._mark_dead("test: the server went away")
+
+
+def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
+  """SGLang drops an abort for a request held at its pause gate, and that request then
+  runs to the end: a request cancelled while a weight update paused the server is
+  aborted again once generation continues."""
+  fake = fakes()
+  fake.update_delay = 0.5
+  [eng] = se.connect([fake.url], config=FAST)
+  try:
+    eng._syncing += 1            # as during _sync_from_disk
+    eng.group.io.call(eng._abort_quietly("r-1"), 10)
+    eng._syncing -= 1
+    se.update_weights_from_disk([eng], "/ckpt/v1", "v1")
+    deadline = time.monotonic() + 5
+    while sum(r == "/abort_request" for r, _ in fake.calls) < 2:
+      assert time.monotonic() < deadline, fake.calls
+      time.sleep(0.02)
+    routes = [r for r, _ in fake.calls]
+    last_abort = max(i for i, r in enumerate(routes) if r == "/abort_request")
+    assert routes.index("/continue_generation") < last_abort
+    assert [b for r, b in fake.calls if r == "/abort_request"] == [{"rid": "r-1"}] * 2
+  finally:
+    eng.stop()
+
+
+def test_in_place_pauses_are_refused_for_weight_updates():
+  with pytest.raises(ValueError, match="in_place cannot be followed by a weight update"):
+    se.ClientConfig(pause_mode="in_place")
