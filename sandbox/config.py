@@ -75,7 +75,9 @@ class ExecutorConfig:
   max_sessions: int = 128
   session_ttl: float = 600.0      # idle seconds before a session is closed
   preload: tuple[str, ...] = DEFAULT_PRELOAD
-  start_timeout: float = 120.0    # seconds for the warm parent to import everything
+  # Seconds for the warm parent to import everything at start, and the longest a call
+  # may wait for a child to take it (it then fails unrun as internal_error).
+  start_timeout: float = 120.0
 
   def __post_init__(self):
     def positive(name, value):

@@ -5,8 +5,10 @@ where possible), then for each call creates the call's pipes, hands them to the
 warm parent over a control socket, reads stdout/stderr as they come, and turns
 what happened into a `Result`:
 
-  * the wall deadline is a timer here: at expiry the worker kills the child's
-    process group and sweeps the call's uid, so nothing it started survives;
+  * the wall deadline is a timer here, started when a child takes the call (the
+    worker's "started" event: a call that waited for a fork or a slot did not run
+    meanwhile); at expiry the worker kills the child's process group and sweeps the
+    call's uid, so nothing it started survives;
   * stdout/stderr are capped; past the cap the call is killed (output_exceeded);
   * an admission semaphore keeps at most `max_children` calls running; the rest
     queue here (they cost nothing until they start).
@@ -48,7 +50,8 @@ def _memfd(name: str, data: bytes) -> int:
 
 class _Job:
   __slots__ = ("id", "timeout", "fut", "bufs", "fds", "record", "exit", "timed_out", "exceeded",
-               "kill_sent", "kill_id", "t0", "wall", "handles", "grace", "session", "finished")
+               "kill_sent", "kill_id", "t0", "wall", "handles", "grace", "session", "finished",
+               "started", "not_started")
 
   def __init__(self, job_id: int, timeout: float, fut: asyncio.Future):
     self.id = job_id
@@ -68,6 +71,8 @@ class _Job:
     self.grace = False
     self.session: _Session | None = None
     self.finished = False
+    self.started = False       # a child took it (one-shot calls; sessions run at once)
+    self.not_started = False   # no child took it within start_timeout
 
 
 class _Session:
@@ -312,8 +317,25 @@ class Executor:
         log.info("sandbox worker ready: isolation=%s preload=%.2fs", self.isolation,
                  ev.get("preload_s", 0))
         self._ready.set()
+      elif kind == "started":
+        self._on_started(ev)
       elif kind in ("exit", "killed"):
         self._on_exit(ev)
+
+  def _on_started(self, ev: dict) -> None:
+    job = self._jobs.get(ev["id"])
+    if job is None or job.started or job.finished:
+      return
+    job.started = True
+    job.t0 = time.monotonic()   # wall time counts from here, as the deadline does
+    for h in job.handles:
+      h.cancel()
+    job.handles = [asyncio.get_running_loop().call_later(job.timeout, self._on_deadline, job)]
+
+  def _on_no_start(self, job: _Job) -> None:
+    if not job.finished and not job.started:
+      job.not_started = True
+      self._kill(job)   # the worker drops it from its queue: it never runs
 
   def _on_exit(self, ev: dict) -> None:
     sess = self._holders.pop(ev["id"], None)
@@ -517,7 +539,11 @@ class Executor:
       for fd in send_fds:
         os.close(fd)
     if not job.finished:
-      job.handles.append(loop.call_later(timeout, self._on_deadline, job))
+      if sess is not None:
+        job.started = True
+        job.handles.append(loop.call_later(timeout, self._on_deadline, job))
+      else:   # the deadline starts with the worker's "started"; this only bounds the wait
+        job.handles.append(loop.call_later(self.config.start_timeout, self._on_no_start, job))
     try:
       await job.fut
     except asyncio.CancelledError:
@@ -643,6 +669,10 @@ class Executor:
     r.cpu_time = round(r.cpu_time, 6)
     if ex and "internal" in ex:
       r.status, r.error_type, r.error_message = "internal_error", "SandboxError", ex["internal"]
+    elif job.not_started:
+      r.status, r.error_type = "internal_error", "SandboxError"
+      r.error_message = (f"no sandbox process took the call within start_timeout="
+                         f"{self.config.start_timeout:g} s; it did not run")
     elif job.exceeded is not None:
       stream = "stdout" if job.exceeded == "out" else "stderr"
       r.status, r.error_type = "output_exceeded", "OutputLimitExceeded"

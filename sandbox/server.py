@@ -322,6 +322,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-batch", type=int, default=d.max_batch, help="most calls in one request")
   p.add_argument("--client-timeout", type=float, default=d.client_timeout,
                  help="seconds a client has to send a request's headers and body")
+  p.add_argument("--start-timeout", type=float, default=d.start_timeout,
+                 help="seconds for the warm parent to start, and the longest a call waits "
+                      "for a process to take it")
   p.add_argument("--result-ttl", type=float, default=d.result_ttl,
                  help="seconds a call's result is kept for a retry of its id")
   p.add_argument("--result-cache-mb", type=int, default=d.result_cache_mb,
@@ -357,6 +360,7 @@ def main(argv=None) -> None:
         tmp_mb=args.tmp_mb, shm_mb=args.shm_mb, memory_budget_mb=args.memory_budget_mb,
         cgroups=args.cgroups, max_body_mb=args.max_body_mb, max_batch=args.max_batch,
         client_timeout=args.client_timeout, result_ttl=args.result_ttl,
+        start_timeout=args.start_timeout,
         result_cache_mb=args.result_cache_mb, allow_weak_isolation=args.allow_weak_isolation,
         max_processes=args.max_processes, max_sessions=args.max_sessions,
         session_ttl=args.session_ttl, nice=args.nice, supervisor_nice=args.supervisor_nice,

@@ -9,6 +9,7 @@ datagrams, file descriptors passed with SCM_RIGHTS):
                         {"op": "kill", "id"} | {"op": "ping"}
   zygote -> supervisor  {"ev": "ready", ...} | {"ev": "exit", "id", "exitcode"|"signal", "cpu_time"}
                         {"ev": "killed", "id", "cpu_time"} (right after a kill request is done)
+                        {"ev": "started", "id"} (a child took a "run" job: its deadline starts)
   supervisor -> session {"op": "run", "id", "timeout"} (fds as above) | {"op": "close"}
 
 A child writes one JSON record (status, error fields, cpu_time) to its result
@@ -474,6 +475,8 @@ class Zygote:
       child.job_id = int(req["id"])
       child.session = req["op"] == "session"
       self.by_job[child.job_id] = child
+      if not child.session:
+        self.send({"ev": "started", "id": child.job_id})
 
   def fork(self) -> _Child:
     slot = self.free_slots.popleft()

@@ -232,3 +232,74 @@ def test_a_retry_while_the_call_still_runs_waits_for_the_same_run(url):
     (c1, a1), (c2, a2) = first.result(), second.result()
   assert c1 == c2 == 200 and a1["results"][0]["stdout"] == a2["results"][0]["stdout"]
   assert stats(url)["calls"] - before == 1
+
+
+def _zygote(server_pid: int) -> int:
+  """The warm parent: the sandbox.worker process whose parent is not one (bwrap sits
+  between it and the server where bubblewrap runs; forked calls share its cmdline)."""
+  from sandbox.launcher import _descendants
+
+  def is_worker(pid):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[1:3] == [b"-m", b"sandbox.worker"]
+    except OSError:
+      return False
+
+  def parent(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+  found = [p for p in _descendants(server_pid) if is_worker(p) and not is_worker(parent(p))]
+  assert len(found) == 1, found
+  return found[0]
+
+
+def test_a_call_that_waits_for_a_process_is_not_timed_out_meanwhile(url):
+  """The deadline starts when a child takes the call. The warm parent is stopped here
+  (as a burst of forks, or slots held by dying calls, would hold it) for longer than
+  the call's timeout: the call then runs in full. Before, its deadline ran out while it
+  waited, the worker dropped it unrun, and the model read a timeout for `print(1)`."""
+  import os
+  import signal
+  import threading
+  zygote = _zygote(health(url)["pid"])
+  os.kill(zygote, signal.SIGSTOP)
+  resume = threading.Timer(2.5, os.kill, (zygote, signal.SIGCONT))
+  resume.start()
+  try:
+    status, body = post(url, "/execute", {"calls": [{"code": "print(1)", "timeout": 1.0}]})
+  finally:
+    resume.join()
+    os.kill(zygote, signal.SIGCONT)
+  r = body["results"][0]
+  assert status == 200 and r["status"] == "ok" and r["stdout"] == "1\n", body
+  assert r["wall_time"] < 2.0, r    # counted from the start, not from the wait
+
+
+def test_a_call_no_process_takes_fails_unrun_after_start_timeout():
+  """The wait for a process is bounded by start_timeout: past it the call comes back as
+  internal_error (not the model's timeout) and never runs, even once the warm parent
+  goes on."""
+  import os
+  import signal
+  import threading
+  with running_server(max_children=2, pool_size=0,
+                      extra_args=["--preload", "json", "--start-timeout", "5"]) as u:
+    zygote = _zygote(health(u)["pid"])
+    os.kill(zygote, signal.SIGSTOP)
+    resume = threading.Timer(7.0, os.kill, (zygote, signal.SIGCONT))
+    resume.start()
+    try:
+      status, body = post(u, "/execute", {"calls": [
+          {"code": "open('/tmp/ran', 'w'); print(1)", "timeout": 1.0}]})
+    finally:
+      resume.join()
+      os.kill(zygote, signal.SIGCONT)
+    r = body["results"][0]
+    assert status == 200 and r["status"] == "internal_error", body
+    assert "within start_timeout=5 s; it did not run" in r["error_message"], r
+    assert r["stdout"] == ""
+    _, again = post(u, "/execute", {"calls": [{"code": "print(2)"}]})   # still serving
+    assert again["results"][0]["stdout"] == "2\n", again
