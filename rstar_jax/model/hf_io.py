@@ -90,7 +90,10 @@ def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
       vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
       num_attention_heads=heads,
-      num_key_value_heads=d.get("num_key_value_heads") or heads,
+      # transformers: a missing key is Qwen3Config's default, 32; only null means "one kv
+      # head per query head".
+      num_key_value_heads=(d["num_key_value_heads"] if "num_key_value_heads" in d else 32)
+      or heads,
       head_dim=d.get("head_dim") or 128,  # HF Qwen3Config default
       rope_theta=number("rope_theta", theta),
       rms_norm_eps=number("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),

@@ -163,3 +163,25 @@ def test_an_export_over_another_with_other_shards_leaves_only_its_own(tmp_path, 
       np.asarray(qwen3.forward_logits(hf_io.load_hf(out), jnp.asarray(tokens))), want)
   hf = transformers.Qwen3ForCausalLM.from_pretrained(out, dtype="float32").eval()
   assert np.abs(hf_fixtures.torch_logits(hf, tokens) - want).max() <= TOL
+
+
+@pytest.mark.parametrize("heads", [32, 4])
+def test_a_config_without_kv_heads_reads_as_transformers_reads_it(tmp_path, heads):
+  """A hand-written config.json without num_key_value_heads: transformers takes its
+  default, 32 (null means one per head). We read 32 heads too, or refuse where 32 kv
+  heads cannot serve the query heads; before, we silently read `num_attention_heads`."""
+  import json
+  import transformers
+  d = {"model_type": "qwen3", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+       "num_hidden_layers": 1, "num_attention_heads": heads, "head_dim": 8}
+  (tmp_path / "config.json").write_text(json.dumps(d))
+  theirs = transformers.AutoConfig.from_pretrained(str(tmp_path)).num_key_value_heads
+  assert theirs == 32
+  if heads == 32:
+    assert hf_io.load_config(str(tmp_path)).num_key_value_heads == theirs
+  else:
+    with pytest.raises(hf_io.CheckpointError, match="num_key_value_heads"):
+      hf_io.load_config(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(dict(d, num_key_value_heads=None)))
+  assert hf_io.load_config(str(tmp_path)).num_key_value_heads == heads == (
+      transformers.AutoConfig.from_pretrained(str(tmp_path)).num_key_value_heads)
