@@ -17,7 +17,9 @@ _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
 # A visible space between two digits ("1\\,000", "1\\ 000", "1~000"): a thousands
 # separator only where every group after the first has three digits, else two numbers
 # ("1\\ 2" is not 12). Bare whitespace is not one: math mode typesets "4 2" as 42.
-_DIGIT_GAP_RE = re.compile(r"(?<=\d)(?:\s*(?:\\[,;:> ]|~)\s*)+(?=\d)")
+# Each `\s*` sits after a separator, never next to another `\s*`: nested `(\s*X\s*)+`
+# let a long run not followed by a digit backtrack exponentially (seconds per answer).
+_DIGIT_GAP_RE = re.compile(r"(?<=\d)\s*(?:(?:\\[,;:> ]|~)\s*)+(?=\d)")
 _GAP = "\x00"
 _SPACED_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:\x00\d{3})+")
 _TEXT_WRAP_RE = re.compile(

@@ -532,6 +532,8 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
       print(f"{stage}: already done ({os.path.join(workdir, stage, 'DONE.json')}), skipped")
     else:
       todo.append(stage)
+  if "eval" in todo or ("sft" in todo and cfg.eval.after_sft):
+    _check_eval_data(cfg, "the eval stage" if "eval" in todo else "config.eval.after_sft")
   first_model_stage = next((s for s in todo if s != "sft"), None)
   if first_model_stage and "sft" not in todo and not cfg.model.hf_dir \
       and not cfg.allow_random_init and not _last_done(workdir, first_model_stage):
@@ -543,6 +545,19 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
   if not todo:
     print(f"nothing to do: every requested stage is finished in {workdir}")
   return todo
+
+
+def _check_eval_data(cfg: RecipeConfig, why: str) -> None:
+  # Said now: without problems the evaluation fails after the stages before it have run
+  # (and after every rerun's SFT evaluation, so RL is never reached).
+  if cfg.data.kind == "files" and not cfg.data.eval_files:
+    raise config_utils.ConfigError(
+        f"this run evaluates ({why}) but config.data.eval_files is empty: name evaluation "
+        "files, or leave the evaluation out (--stages without eval, "
+        "--config.eval.after_sft=False)")
+  if cfg.data.kind == "toy" and cfg.data.toy.eval_problems == 0:
+    raise config_utils.ConfigError(
+        f"this run evaluates ({why}) but config.data.toy.eval_problems is 0")
 
 
 def _last_done(workdir: str, before: str) -> str | None:
@@ -686,6 +701,7 @@ def evaluate_hf_dir(config, hf_dir: str):
   if not os.path.exists(os.path.join(hf_dir, "config.json")):
     raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
   _check_files(cfg)
+  _check_eval_data(cfg, "--hf_dir")
   workdir = _make_workdir(cfg.workdir)
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
     tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)

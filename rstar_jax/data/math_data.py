@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import decimal
 import gzip
 import hashlib
 import json
@@ -147,7 +148,8 @@ _Read = tuple[int, Any, RowError | None]
 
 
 def _open_bytes(path: pathlib.Path):
-  return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+  # Case-insensitive, as `_reader_for` is: a `.JSONL.GZ` read raw is binary garbage.
+  return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
 def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
@@ -338,7 +340,14 @@ def _answer_field(value: Any, field: str) -> str:
   if isinstance(value, float):
     if not math.isfinite(value):
       raise FieldError(field, f"answer is {value} (a missing value?)")
-    return str(int(value)) if value.is_integer() else repr(value)
+    if not value.is_integer():
+      # Positional: repr gives "5e-05", which no math verifier matches against "0.00005".
+      return format(decimal.Decimal(repr(value)), "f")
+    if abs(value) > 2**53:
+      # 12345678901234567890.0 is stored as ...7168: the file's digits are lost already.
+      raise FieldError(field, f"answer {value!r} is a float above 2**53, so its digits are not "
+                              "exact; store it as an integer or a string")
+    return str(int(value))
   if not isinstance(value, str):
     raise FieldError(field, f"answer must be a string or a number, got {type(value).__name__}")
   if not value.strip():
@@ -363,11 +372,26 @@ def _uid(row: Mapping[str, Any], default: str) -> str:
     value = row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
       raise FieldError(key, f"id must be a string or an int, got {type(value).__name__}")
-    return str(value)
+    return _nonempty_id(value, key)
   extra = row.get("extra_info")
   if isinstance(extra, dict) and isinstance(extra.get("index"), (str, int)):
-    return str(extra["index"])
+    return _nonempty_id(extra["index"], "extra_info.index")
   return default
+
+
+def _nonempty_id(value: str | int, field: str) -> str:
+  # Refused here: an empty uid was only refused by the evaluation, after all generation.
+  if not str(value).strip():
+    raise FieldError(field, f"empty id {value!r}")
+  return str(value)
+
+
+def _id_field(row: Mapping[str, Any]) -> str | None:
+  """The field `_uid` took a row's id from."""
+  key = _first_key(row, _ID_KEYS)
+  if key is None and isinstance(row.get("extra_info"), dict):
+    key = "extra_info.index"
+  return key
 
 
 def _source(row: Mapping[str, Any], path: pathlib.Path) -> str:
@@ -485,8 +509,13 @@ def _detect_layout(row: dict) -> MathRowParser:
 
 def load_math_problems(paths: PathLike | Sequence[PathLike], *, layout: str = "auto",
                        on_error: str = "raise", strip_instructions: bool = True,
-                       max_reported: int = 5) -> LoadResult[MathProblem]:
+                       max_reported: int = 5, prefix_clashing_ids: bool = False
+                       ) -> LoadResult[MathProblem]:
   """Loads math problems from JSONL / JSON / Parquet files.
+
+  Within one file, an id (`id`, `extra_info.index`, ...) that an earlier row gave to
+  another problem is a malformed row naming both rows; a repeated copy of the same
+  problem is kept (`deduplicate` drops it).
 
   Args:
     paths: one file or several (their rows are concatenated in order).
@@ -496,14 +525,19 @@ def load_math_problems(paths: PathLike | Sequence[PathLike], *, layout: str = "a
       skips such rows, counts them and reports the first `max_reported` reasons.
     strip_instructions: remove DAPO's "Answer:" instruction wrapper from problems.
     max_reported: how many skip reasons to keep (all are counted).
+    prefix_clashing_ids: when files share ids taken from their rows (verl numbers
+      `extra_info.index` from 0 in every file), every row id of those files becomes
+      `<file prefix>:<id>`, the prefix of the default uids `<file prefix>:<row>`.
 
   Returns:
     A `LoadResult` whose `items` are `MathProblem`s.
   """
   fixed = None if layout == "auto" else get_layout(layout)
+  paths = _as_paths(paths)
+  ids_seen: dict[pathlib.Path, dict[str, tuple[int, MathProblem]]] = collections.defaultdict(dict)
+  origins: list[tuple[pathlib.Path, bool]] = []   # per item: its file, whether its row named it
 
   def parse(row: dict, default_uid: str, path: pathlib.Path, row_no: int) -> MathProblem:
-    del row_no
     problem = (fixed or _detect_layout(row))(row, default_uid, path)
     if strip_instructions:
       text = strip_answer_instructions(problem.problem)
@@ -511,9 +545,38 @@ def load_math_problems(paths: PathLike | Sequence[PathLike], *, layout: str = "a
         raise FieldError("problem", "empty problem once the answer instructions are removed")
       if text != problem.problem:
         problem = dataclasses.replace(problem, problem=text)
+    from_row = problem.uid != default_uid
+    if from_row:
+      first = ids_seen[path].setdefault(problem.uid, (row_no, problem))
+      if (first[0] != row_no and normalise_problem_text(first[1].problem)
+          != normalise_problem_text(problem.problem)):
+        raise FieldError(_id_field(row), f"duplicate id {problem.uid!r}: {_reader_for(path)[1]} "
+                                         f"{first[0]} has it for another problem")
+    origins.append((path, from_row))   # appended last: one per item of the result
     return problem
 
-  return _load_rows(paths, parse, on_error, max_reported, "math data")
+  result = _load_rows(paths, parse, on_error, max_reported, "math data")
+  if prefix_clashing_ids:
+    result = _prefix_clashing_ids(result, origins, _uid_prefixes(paths))
+  return result
+
+
+def _prefix_clashing_ids(result: LoadResult[MathProblem], origins: list[tuple[pathlib.Path, bool]],
+                         prefixes: Mapping[pathlib.Path, str]) -> LoadResult[MathProblem]:
+  files_of: dict[str, set[pathlib.Path]] = collections.defaultdict(set)
+  for item, (path, from_row) in zip(result.items, origins, strict=True):
+    if from_row:
+      files_of[item.uid].add(path)
+  # All ids of a file that shares any, so that one file's uids all look alike.
+  clashing = {p for files in files_of.values() if len(files) > 1 for p in files}
+  if not clashing:
+    return result
+  logging.info("math data: files %s share row ids; their uids are now <file>:<id>",
+               sorted(prefixes[p] for p in clashing))
+  items = tuple(dataclasses.replace(item, uid=f"{prefixes[path]}:{item.uid}")
+                if from_row and path in clashing else item
+                for item, (path, from_row) in zip(result.items, origins, strict=True))
+  return dataclasses.replace(result, items=items)
 
 
 # --------------------------------------------------------------------------------------
@@ -619,11 +682,25 @@ def split_problems(problems: Sequence[T], *, held_out: int | float, seed: int
 # Resumable iteration.
 
 
-def _fingerprint(items: Sequence[Any]) -> str:
+def _fingerprint_v1(items: Sequence[Any]) -> str:
+  """The fingerprint of iterator states version 1 (uids only)."""
   h = hashlib.sha1()
   for item in items:
     key = getattr(item, "uid", None)
     h.update((key if isinstance(key, str) else repr(item)).encode("utf-8"))
+    h.update(b"\0")
+  return h.hexdigest()[:16]
+
+
+def _fingerprint(items: Sequence[Any]) -> str:
+  # Text and answer too, not the uid alone: default uids are `<stem>:<row>`, so a file
+  # rewritten in another order kept every uid and a resumed run repeated and skipped rows.
+  h = hashlib.sha1()
+  for item in items:
+    key = getattr(item, "uid", None)
+    if isinstance(key, str):
+      key = (key, getattr(item, "problem", None), getattr(item, "answer", None))
+    h.update(repr(key if key is not None else item).encode("utf-8"))   # repr: no surrogates
     h.update(b"\0")
   return h.hexdigest()[:16]
 
@@ -642,7 +719,8 @@ class EpochIterator(Generic[T]):
   `num_epochs=None` iterates forever.
   """
 
-  _STATE_VERSION = 1
+  # 2: the fingerprint covers problem and answer too (version 1: uids only, still read).
+  _STATE_VERSION = 2
 
   def __init__(self, items: Sequence[T], *, batch_size: int, seed: int = 0,
                drop_remainder: bool = True, num_epochs: int | None = None):
@@ -716,6 +794,16 @@ class EpochIterator(Generic[T]):
     missing = [k for k in expected if k not in state]
     if missing:
       raise ValueError(f"iterator state lacks {missing}; got keys {sorted(state)}")
+    if state["version"] == 1:
+      # Saved before the fingerprint covered text and answers: it is checked the way it was
+      # then (uids only), so a run can resume across the upgrade; a reordered file with
+      # default uids passes that check, as it did before.
+      if state["fingerprint"] != _fingerprint_v1(self._items):
+        raise ValueError("iterator state (version 1) was saved over other data: its uids "
+                         "differ from these")
+      logging.warning("resuming from a version-1 iterator state: only the problems' uids are "
+                      "checked against the saved run, not their text")
+      state = {**state, "version": self._STATE_VERSION, "fingerprint": self._fingerprint}
     if state["version"] != self._STATE_VERSION:
       raise ValueError(f"iterator state version {state['version']} != {self._STATE_VERSION}")
     for key in ("seed", "batch_size", "num_items", "drop_remainder", "fingerprint"):
@@ -776,8 +864,9 @@ def _parse_tool_call(raw: Any, field: str) -> ToolCall:
   if isinstance(arguments, str):
     try:
       arguments = json.loads(arguments)
-    except json.JSONDecodeError as e:
-      raise FieldError(f"{field}.arguments", f"not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:   # also > 4300 digits, deep nesting
+      why = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:200]}"
+      raise FieldError(f"{field}.arguments", f"not valid JSON ({why})") from None
   if not isinstance(arguments, dict):
     raise FieldError(f"{field}.arguments",
                      f"must be a JSON object, got {type(arguments).__name__}")

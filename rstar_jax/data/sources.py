@@ -124,7 +124,9 @@ def load_problems(cfg: DataConfig, *, seed: int
                                                      meta={"level": p.level, "kind": p.kind})
                                for i, p in enumerate(ps)]
     return as_math(train, "toy-train-"), as_math(evals, "toy-eval-")
-  train = (math_data.load_math_problems(list(cfg.train_files), on_error=cfg.on_error).items
+  # Training files often number their rows from 0 each (verl's extra_info.index).
+  train = (math_data.load_math_problems(list(cfg.train_files), on_error=cfg.on_error,
+                                        prefix_clashing_ids=True).items
            if cfg.train_files else [])
   evals = (math_data.load_math_problems(list(cfg.eval_files), on_error=cfg.on_error).items
            if cfg.eval_files else [])
@@ -138,6 +140,11 @@ def load_problems(cfg: DataConfig, *, seed: int
     logging.info("integer filter dropped %d training problems", len(dropped))
   train, dups = math_data.deduplicate(train)
   logging.info("de-duplication dropped %d training problems", len(dups))
+  try:   # now, not when RL starts after SFT
+    math_data.check_unique_uids(train)
+  except ValueError as e:
+    raise math_data.DataError(path=", ".join(cfg.train_files),
+                              message=f"training problems: {e}") from None
   return list(train), list(evals)
 
 

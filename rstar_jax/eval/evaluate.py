@@ -60,6 +60,19 @@ def evaluate(engine, tools, proto, tokenizer, problems, cfg: EvalConfig, *,
   return report, trajs
 
 
+def _json_default(value):
+  """Problem meta from Parquet can hold dates, Decimals and bytes (an image column): json
+  refused them after the whole evaluation had run. Written as text instead."""
+  if isinstance(value, (bytes, bytearray)):
+    try:
+      return value.decode("utf-8")
+    except UnicodeDecodeError:
+      return repr(bytes(value))
+  if hasattr(value, "isoformat"):   # datetime, date, time
+    return value.isoformat()
+  return str(value)   # Decimal, and anything else
+
+
 def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
                   problems: Sequence[math_data.MathProblem], tokenizer) -> str:
   """One JSON line per trajectory: problem, reference answer, the whole response text
@@ -68,16 +81,21 @@ def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
   0 = tool side) are stored too, for analyses that rescore them (analysis/entropy.py)."""
   by_uid = {p.uid: p for p in problems}
   tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    for t in trajs:
-      uid = t.uid.rpartition("#")[0]
-      p = by_uid.get(uid)
-      f.write(json.dumps({
-          "uid": t.uid, "problem": p.problem if p else None, "answer": p.answer if p else None,
-          "meta": p.meta if p else {}, "reward": t.reward, "finish_reason": t.finish_reason,
-          "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
-          "response": tokenizer.decode(t.response_ids),
-          "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids),
-          "response_mask": list(t.response_mask)}) + "\n")
+  try:
+    with open(tmp, "w") as f:
+      for t in trajs:
+        uid = t.uid.rpartition("#")[0]
+        p = by_uid.get(uid)
+        f.write(json.dumps({
+            "uid": t.uid, "problem": p.problem if p else None, "answer": p.answer if p else None,
+            "meta": p.meta if p else {}, "reward": t.reward, "finish_reason": t.finish_reason,
+            "num_tool_calls": t.num_tool_calls, "num_tool_errors": t.num_tool_errors,
+            "response": tokenizer.decode(t.response_ids),
+            "prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids),
+            "response_mask": list(t.response_mask)}, default=_json_default) + "\n")
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)   # no half-written .tmp beside the reports
+    raise
   os.replace(tmp, path)
   return path

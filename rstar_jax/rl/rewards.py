@@ -61,10 +61,30 @@ def _strip_delimiters(s: str) -> str:
   return s
 
 
+class _NotParsed(Exception):
+  pass
+
+
 @functools.lru_cache(maxsize=4096)
-def _parse_cached(expr: str, timeout_s: int | None) -> tuple[Any, ...]:
+def _parse_or_raise(expr: str, timeout_s: int | None) -> tuple[Any, ...]:
   # Wrapping in \boxed{} makes math-verify's LaTeX extractor take the whole expression.
-  return tuple(mv_parse("\\boxed{" + expr + "}", parsing_timeout=timeout_s))
+  parsed = tuple(mv_parse("\\boxed{" + expr + "}", parsing_timeout=timeout_s))
+  if not parsed:
+    raise _NotParsed   # lru_cache keeps no exception: see _parse_cached
+  return parsed
+
+
+def _parse_cached(expr: str, timeout_s: int | None) -> tuple[Any, ...]:
+  """math-verify's parse of `expr`; () when it gives nothing.
+
+  Only successful parses are cached: math-verify returns [] on a parse timeout too, and
+  one slow parse of a reference (a loaded host) would otherwise mark every later sample
+  of that problem wrong for the life of the process.
+  """
+  try:
+    return _parse_or_raise(expr, timeout_s)
+  except _NotParsed:
+    return ()
 
 
 def is_correct(answer: str | None, reference: str | int,

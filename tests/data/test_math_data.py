@@ -104,6 +104,14 @@ def test_unknown_file_type_and_missing_file(tmp_path):
     ('{"prompt": "P", "reward_model": {"style": "rule"}}', "reward_model.ground_truth", "missing"),
     ('{"prompt": [{"role": "user", "content": 5}], "reward_model": {"ground_truth": "1"}}',
      "prompt[0].content", "must be a string"),
+    # An empty id was only refused by the evaluation's records, after all generation.
+    ('{"id": "", "problem": "P", "answer": "1"}', "id", "empty id"),
+    ('{"ID": " ", "problem": "P", "answer": "1"}', "ID", "empty id"),
+    ('{"prompt": "P", "reward_model": {"ground_truth": "1"}, "extra_info": {"index": ""}}',
+     "extra_info.index", "empty id"),
+    # Its digits are gone already: it was read as 12345678901234567168.
+    ('{"problem": "P", "answer": 12345678901234567890.0}', "answer", "above 2**53"),
+    ('{"problem": "P", "answer": -1e20}', "answer", "above 2**53"),
 ])
 def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message):
   good = json.dumps({"problem": "fine", "answer": "1"})
@@ -115,6 +123,24 @@ def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message)
   assert (error.row, error.unit, error.field) == (3, "line", field)
   assert message in str(info.value)
   assert "bad.jsonl, line 3" in str(info.value)
+
+
+def test_float_answers_are_written_positionally(tmp_path):
+  """repr gave '5e-05', which math-verify does not match against '0.00005'."""
+  values = [0.00005, 2.5e-7, 0.1, -3.25, 12.0, -0.0, float(2**53)]
+  path = _write_jsonl(tmp_path / "f.jsonl", [{"problem": f"p{i}", "answer": v}
+                                             for i, v in enumerate(values)])
+  assert [p.answer for p in md.load_math_problems(path).items] == [
+      "0.00005", "0.00000025", "0.1", "-3.25", "12", "0", "9007199254740992"]
+
+
+def test_upper_case_gz_suffix_is_decompressed(tmp_path):
+  """The reader was chosen case-insensitively but gzip case-sensitively: a .JSONL.GZ file
+  was read as compressed bytes (not UTF-8)."""
+  path = tmp_path / "up.JSONL.GZ"
+  path.write_bytes(gzip.compress(b'{"problem": "p", "answer": "1"}\n'))
+  (p,) = md.load_math_problems(path).items
+  assert (p.problem, p.answer) == ("p", "1")
 
 
 def test_parquet_error_names_row(tmp_path):
@@ -288,6 +314,36 @@ def test_iterator_rejects_foreign_state_and_bad_settings():
     md.EpochIterator(_problems(2) + _problems(1), batch_size=1)
 
 
+def test_iterator_refuses_a_reordered_file_and_an_old_state(tmp_path):
+  """The fingerprint hashed uids only: a file rewritten in another order keeps its default
+  uids `<stem>:<row>`, and a resumed run repeated some problems and skipped others."""
+  rows = [{"problem": f"problem {i}", "answer": str(i)} for i in range(8)]
+  path = _write_jsonl(tmp_path / "train.jsonl", rows)
+  it = md.EpochIterator(md.load_math_problems(path).items, batch_size=2, seed=0)
+  next(it)
+  state = json.loads(json.dumps(it.state()))
+  _write_jsonl(path, rows[::-1])
+  reordered = md.EpochIterator(md.load_math_problems(path).items, batch_size=2, seed=0)
+  with pytest.raises(ValueError, match="fingerprint"):
+    reordered.restore(state)
+  answers = [dict(r, answer="0") for r in rows]   # same uids and problems, other answers
+  relabelled = md.EpochIterator(md.load_math_problems(_write_jsonl(path, answers)).items,
+                                batch_size=2, seed=0)
+  with pytest.raises(ValueError, match="fingerprint"):
+    relabelled.restore(state)
+  same = md.EpochIterator(md.load_math_problems(_write_jsonl(path, rows)).items,
+                          batch_size=2, seed=0)
+  same.restore(state)
+  # A state from before (version 1: a fingerprint of the uids only) still resumes a run
+  # across the upgrade, checked as it was then; over other uids it is refused.
+  old = dict(state, version=1, fingerprint=md._fingerprint_v1(same._items))
+  same.restore(old)
+  assert same.state()["position"] == state["position"]
+  other = md.EpochIterator(_problems(8, "q"), batch_size=2, seed=0)
+  with pytest.raises(ValueError, match="version 1.*uids differ"):
+    other.restore(old)
+
+
 # ---------------------------------------------------------------------------- SFT rows
 
 
@@ -345,6 +401,13 @@ def _break(messages, index, **changes):
     (_tool_conversation()[:4], "messages[3]", "must end with an assistant"),
     ([], "messages", "empty conversation"),
     ("hello", "messages", "must be a list"),
+    # json.loads' ValueError / RecursionError escaped with no file or line, and unskipped.
+    (_break(_tool_conversation(), 2, tool_calls=[
+        {"name": "python", "arguments": '{"x": ' + "9" * 5000 + "}"}]),
+     "messages[2].tool_calls[0].arguments", "not valid JSON (ValueError"),
+    (_break(_tool_conversation(), 2, tool_calls=[
+        {"name": "python", "arguments": "[" * 50_000 + "]" * 50_000}]),
+     "messages[2].tool_calls[0].arguments", "not valid JSON (RecursionError"),
 ])
 def test_sft_malformed_rows(tmp_path, messages, field, message):
   good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
@@ -427,3 +490,52 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   with pytest.raises(md.DataError, match=r"x.jsonl, .*y.jsonl: evaluation problems: 2 duplicate "
                                          r"uid\(s\), e.g. '0' \(items 0 and 2\)"):
     sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(x), str(y))), seed=0)
+
+
+def _train(*paths):
+  from rstar_jax.data import sources
+  cfg = sources.DataConfig(kind="files", train_files=tuple(str(p) for p in paths))
+  return sources.load_problems(cfg, seed=0)[0]
+
+
+def test_training_files_numbered_from_zero_each_get_file_prefixed_uids(tmp_path):
+  """verl numbers extra_info.index from 0 in every file: two training files shared uids,
+  and only RL's EpochIterator refused them, after SFT had run."""
+  dapo = _write_jsonl(tmp_path / "dapo.jsonl", [_verl_row(f"dapo {i}", str(i), i)
+                                                for i in range(3)])
+  deepscaler = _write_jsonl(tmp_path / "deepscaler.jsonl", [
+      _verl_row(f"deepscaler {i}", str(i), i) for i in range(4)])
+  aime = _write_jsonl(tmp_path / "aime.jsonl", [_verl_row("aime 0", "7", "2024-I-1")])
+  train = _train(dapo, deepscaler, aime)
+  assert [p.uid for p in train] == [   # every id of a file that shares any; others as they were
+      "dapo:0", "dapo:1", "dapo:2", "deepscaler:0", "deepscaler:1", "deepscaler:2",
+      "deepscaler:3", "2024-I-1"]
+  assert train[0].meta["extra_info"] == {"index": 0}   # the row's own id is kept
+  md.EpochIterator(train, batch_size=2)
+  assert [p.uid for p in _train(dapo)] == ["0", "1", "2"]   # one file: unchanged
+  # The eval files keep refusing shared ids (test above); the plain loader leaves them.
+  assert [p.uid for p in md.load_math_problems([dapo, deepscaler]).items][:4] == [
+      "0", "1", "2", "0"]
+
+
+def test_a_duplicate_id_in_one_file_names_both_rows(tmp_path):
+  rows = [_verl_row("first", "1", 0), _verl_row("second", "2", 1), _verl_row("third", "3", 0)]
+  path = _write_jsonl(tmp_path / "t.jsonl", rows)
+  with pytest.raises(md.DataError, match=r"t.jsonl, line 3, field 'extra_info.index': duplicate "
+                                         r"id '0': line 1 has it for another problem"):
+    _train(path)
+  result = md.load_math_problems(path, on_error="skip")
+  assert [p.problem for p in result.items] == ["first", "second"] and result.num_skipped == 1
+  # A repeated copy of a problem (DAPO-Math-17k repeats each one) is no clash: deduplicated.
+  copies = _write_jsonl(tmp_path / "c.jsonl", [_verl_row("same", "1", 0)] * 3)
+  assert [p.uid for p in _train(copies)] == ["0"]
+
+
+def test_training_uids_that_still_clash_are_refused_at_load(tmp_path):
+  """a.jsonl's row 2 has id 1, prefixed to 'a:1': the default uid of its row 1."""
+  a = _write_jsonl(tmp_path / "a.jsonl", [{"problem": "p", "answer": "1"},
+                                          {"id": 1, "problem": "q", "answer": "2"}])
+  b = _write_jsonl(tmp_path / "b.jsonl", [{"id": 1, "problem": "r", "answer": "3"}])
+  with pytest.raises(md.DataError, match=r"a.jsonl, .*b.jsonl: training problems: 1 duplicate "
+                                         r"uid\(s\), e.g. 'a:1'"):
+    _train(a, b)

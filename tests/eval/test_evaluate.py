@@ -1,5 +1,11 @@
 """Evaluation runner on a scripted engine: known answers give known pass@k."""
 import asyncio
+import datetime
+import decimal
+import json
+import os
+
+import pytest
 
 from rstar_jax.data import math_data, toy_task
 from rstar_jax.eval import evaluate
@@ -61,3 +67,58 @@ def test_response_tokens_count_tool_outputs_as_the_budget_does():
                             response_mask=[1] * 4 + [0] * 3 + [1] * 3, turns=[(0, 4), (7, 10)])
   (rec,) = evaluate.records_from([t])
   assert rec.response_tokens == 10 and t.model_tokens == 7
+
+
+class _Decode:
+  def decode(self, ids):
+    return "response"
+
+
+def test_write_samples_writes_parquet_meta_as_text(tmp_path):
+  """Parquet meta (a date, a Decimal, an image's bytes) made json.dumps raise after the
+  whole evaluation had run, and left a .tmp behind."""
+  meta = {"date": datetime.datetime(2025, 2, 15), "difficulty": decimal.Decimal("2.5"),
+          "note": b"plain", "image": b"\x89PNG", "level": 3}
+  problem = math_data.MathProblem("p", "What is 2+2?", "4", "s", meta)
+  t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1])
+  path = str(tmp_path / "samples.jsonl")
+  evaluate.write_samples(path, [t], [problem], _Decode())
+  (row,) = [json.loads(line) for line in open(path)]
+  assert row["meta"] == {"date": "2025-02-15T00:00:00", "difficulty": "2.5", "note": "plain",
+                         "image": "b'\\x89PNG'", "level": 3}
+  assert os.listdir(tmp_path) == ["samples.jsonl"]
+
+
+def test_write_samples_leaves_no_tmp_file_when_it_fails(tmp_path):
+  class Broken:
+    def decode(self, ids):
+      raise RuntimeError("decoder broke")
+
+  t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=[2], response_mask=[1])
+  with pytest.raises(RuntimeError, match="decoder broke"):
+    evaluate.write_samples(str(tmp_path / "s.jsonl"), [t], [], Broken())
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
+  """kind 'files' with train_files only was accepted; the eval stage then failed on no
+  records, and with eval.after_sft every rerun failed again before reaching RL."""
+  from experiments.configs import toy
+  from rstar_jax import config_utils, recipe
+  c = toy.get_config("smoke")
+  c.data.kind, c.data.train_files = "files", ("train.jsonl",)
+  c.eval.after_sft = True
+  cfg = recipe.build_config(c)
+  workdir = str(tmp_path)
+  with pytest.raises(config_utils.ConfigError,
+                     match=r"\(the eval stage\) but config.data.eval_files is empty"):
+    recipe.plan(cfg, workdir, None)
+  with pytest.raises(config_utils.ConfigError,
+                     match=r"\(config.eval.after_sft\) but config.data.eval_files is empty"):
+    recipe.plan(cfg, workdir, ["sft"])
+  c.eval.after_sft = False
+  assert recipe.plan(recipe.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
+  c = toy.get_config("smoke")
+  c.data.toy.eval_problems = 0
+  with pytest.raises(config_utils.ConfigError, match="config.data.toy.eval_problems is 0"):
+    recipe.plan(recipe.build_config(c), workdir, ["eval"])

@@ -1,6 +1,9 @@
 """Outcome reward: extraction of the final boxed answer and comparison with the reference."""
 import importlib.metadata
 import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 
 from packaging.requirements import Requirement  # a dependency of pytest
@@ -188,6 +191,23 @@ def test_an_answer_of_more_digits_than_python_converts_is_not_an_integer():
   assert rewards.is_correct(huge, "12") is False
 
 
+def test_a_long_run_of_spacing_commands_after_a_digit_is_fast():
+  """The digit-gap regex backtracked exponentially on a run of `\\,` / `~` after a digit
+  that no digit follows: 18 of them took 28 s, 40 would take days (the reward froze).
+  A subprocess, because the re module cannot be interrupted in-process."""
+  code = textwrap.dedent(r"""
+      from rstar_jax.rl import rewards
+      for sep in (" \\, ", "~ ", " \\ \\; "):
+        run = "1" + sep * 40 + "x"
+        assert rewards.normalize_answer(run).startswith("1")
+        assert rewards.compute_reward("\\boxed{" + run + "}", "1", truncated=False) == 0.0
+      print("ok")""")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=pathlib.Path(__file__).parents[2])
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+  assert rewards.normalize_answer("1 \\, \\, 000") == "1000"   # still a thousands gap
+
+
 def test_brace_set_answers_are_not_integers():
   assert rewards.parse_integer("\\{204\\}") is None
   assert rewards.is_correct("{1}{2}", "12") is False
@@ -216,6 +236,23 @@ def test_works_outside_the_main_thread():
   t.join()
   assert not errors, errors
   assert out == [True, False]
+
+
+def test_a_parse_that_gave_nothing_is_not_cached(monkeypatch):
+  """math-verify's parse returns [] on a timeout: one slow parse of a reference (a loaded
+  host) was cached and marked every later sample of that problem wrong."""
+  real, calls = rewards.mv_parse, []
+
+  def timing_out_once(*args, **kwargs):
+    calls.append(args[0])
+    return [] if len(calls) == 1 else real(*args, **kwargs)
+
+  monkeypatch.setattr(rewards, "mv_parse", timing_out_once)
+  ref = "\\frac{7}{13}"   # in no other test: not in the cache yet
+  assert rewards.is_correct("\\dfrac{7}{13}", ref) is False   # the reference "timed out"
+  assert rewards.is_correct("\\dfrac{7}{13}", ref) is True
+  assert rewards.is_correct("\\dfrac{7}{13}", ref) is True
+  assert len(calls) == 3   # the retry, then both parses cached
 
 
 def _pins(path):
