@@ -6,9 +6,10 @@ Points: the config file's `get_sweep([variant])` (a list of override dicts, big_
 get_hyper style) crossed with the Cartesian product of every `--sweep key=v1,v2` and of
 `--seeds` (the key `seed`). `--config.a.b=v` overrides given here go to every point, and
 so does `compile_cache_dir=<workdir>/compile_cache` where the config has that field (the
-recipe's): the points share their compiled programs.
-Each point runs `python -m <--module> --config <the same --config> --config.workdir=
-<workdir>/<point name> --config.k=v ...` (stdout and stderr in `<point dir>/sweep.log`),
+recipe's): the points share their compiled programs. They may not set `workdir` (the
+sweep gives each point its own) nor a swept key; nor may `--child_arg`.
+Each point runs `python -m <--module> --config <the same --config> --config.k=v ...
+--config.workdir=<workdir>/<point name>` (stdout and stderr in `<point dir>/sweep.log`),
 up to --workers at once. Finished points (eval_final.json or SWEEP_DONE.json present) are
 skipped on rerun; a failed point is reported with its log and the others go on (the
 sweep then exits 1). `--print_only` prints one shell command per unfinished point and
@@ -76,10 +77,7 @@ def _main(argv):
     except ValueError:
       raise config_utils.ConfigError(f"--seeds: integers expected, got {_SEEDS.value}") from None
   overrides = sweep.cross(config_points or [{}], sweep.product(axes))
-  both = sorted({k for o in overrides for k in o} & set(base))
-  if both:
-    raise config_utils.ConfigError(
-        f"key(s) {both} are both swept and set with --config.<key>=...; give each in one place")
+  sweep.check_shared(base, _CHILD_ARGS.value, overrides)
   build = None
   if _MODULE.value in _RECIPE_MODULES:
     from rstar_jax import recipe

@@ -7,21 +7,24 @@ dicts), from command-line axes (`key=v1,v2`, Cartesian product over keys), or bo
 (every config point crossed with every command-line point). `seed` is a key like any
 other, so repeats over seeds are an axis.
 
-Each point runs `python -m <module> --config <spec> --config.workdir=<dir> --config.k=v
-...` in its own work directory `<sweep workdir>/<point name>`, the name made from its
+Each point runs `python -m <module> --config <spec> --config.k=v ... --config.workdir=<dir>`
+in its own work directory `<sweep workdir>/<point name>`, the name made from its
 overrides (sorted by key, e.g. `rl.downsample.method=uniform,seed=1`). A point is
 finished when its `eval_final.json` exists or the run exited 0 (then `SWEEP_DONE.json`
-is written); finished points are skipped on rerun. The result tables read
-`eval_final.json` (and the last row of the last RL stage's metrics) of each point and
-average points that differ only in `seed`.
+is written), and the command that finished it is the sweep's (order of the arguments
+aside); finished points are skipped on rerun. The result tables read `eval_final.json`
+(and the last row of the last RL stage's metrics) of each point and average the
+finished points that differ only in `seed`.
 
-This is a base-layer module (stdlib, numpy and ml_collections only: config_utils is a
-layer above); the entry point is experiments/sweep.py.
+This is a base-layer module (stdlib, numpy and ml_collections with its absl flags only:
+config_utils is a layer above); the entry point is experiments/sweep.py.
 """
 from __future__ import annotations
 
 import ast
+import collections
 import concurrent.futures
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -44,6 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
 
 
@@ -72,6 +77,17 @@ STAGE_DIRS = ("stage1", "stage2", "stage3")
 
 
 # ---- values and axes -------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+  """`value` with numpy scalars (np.logspace's, np.arange's) as the python values they
+  hold: a point's values reach it as text, and `repr(np.float64(x))` is
+  "np.float64(x)", which no flag parser reads as a number."""
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, (list, tuple)):
+    return (tuple if isinstance(value, tuple) else list)(_plain(v) for v in value)
+  return value
+
+
 def split_top_level(text: str, sep: str = ",") -> list[str]:
   """`text` split at `sep` outside brackets and quotes ("(1,2),3" -> ["(1,2)", "3"])."""
   parts, depth, quote, cur = [], 0, None, []
@@ -204,21 +220,24 @@ def load_sweep(spec: str) -> list[dict[str, Any]] | None:
   for i, p in enumerate(points):
     if not isinstance(p, Mapping) or not all(isinstance(k, str) for k in p):
       raise ConfigError(f"{where}[{i}]: expected a dict of config path -> value, got {p!r}")
-    out.append(dict(p))
+    out.append({k: _plain(v) for k, v in p.items()})
   return out
 
 
 def validate(points: Sequence[Mapping[str, Any]], config,
              build: Callable[[Any], Any] | None = None) -> None:
   """Every key exists in `config` (else the valid keys there are named) and every value
-  fits its field's type; reserved keys (workdir), None values and duplicate points are
-  refused. With `build` (the entry point's config builder, e.g. `recipe.build_config`),
+  fits its field's type and reads back the same from the flag the point gets
+  (`--config.k=<format_value(v)>`, parsed as the point's entry point parses it);
+  reserved keys (workdir), None values, bools for non-bool fields and duplicate points
+  are refused. With `build` (the entry point's config builder, e.g. `recipe.build_config`),
   each point's whole config is built too, so that a value its dataclass refuses (an
   unknown method, a negative step count) stops the sweep before any point runs."""
   seen: dict[str, int] = {}
   for i, p in enumerate(points):
     node = copy.deepcopy(config)
     for key, value in p.items():
+      value = _plain(value)
       if key in RESERVED_KEYS:
         raise ConfigError(f"sweep key {key!r} is set by the sweep itself (one directory per "
                           "point under --workdir); do not sweep it")
@@ -244,11 +263,19 @@ def validate(points: Sequence[Mapping[str, Any]], config,
       if isinstance(target[leaf], ml_collections.ConfigDict):
         raise ConfigError(f"sweep key {key!r} is a config section, not a field; sweep one of "
                           f"its fields: {sorted(target[leaf].keys())}")
+      ftype = _field_type(config, key)
+      if isinstance(value, bool) and ftype not in (None, bool, object, type(None)):
+        # The config casts True to 1.0 for a float field, but the point gets the text
+        # "True", which a float or int flag refuses.
+        raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}={value!r} is a bool, but "
+                          f"the field is of type {ftype.__name__}; give a {ftype.__name__}")
       try:
         setattr(target, leaf, value)
       except (TypeError, ValueError) as e:
         raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}={value!r} does not fit "
                           f"the config field: {e}") from None
+      if isinstance(config, ml_collections.ConfigDict):
+        _check_flag(i, p, key, value, target[leaf], config)
     if build is not None:
       try:
         build(node)
@@ -258,6 +285,71 @@ def validate(points: Sequence[Mapping[str, Any]], config,
     if name in seen:
       raise ConfigError(f"sweep points {seen[name]} and {i} are the same ({name})")
     seen[name] = i
+
+
+def _child_reads(config, key: str, text: str) -> Any:
+  """The value of `key` after `--config.<key>=<text>`, parsed by config_flags as a point's
+  entry point parses it (each field type has its own parser: float, int, bool, tuple...)."""
+  argv = ["sweep", f"--config.{key}={text}"]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_dict("config", copy.deepcopy(config), flag_values=fv,
+                                           sys_argv=argv)
+  fv(argv)
+  node = holder.value
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def _check_flag(i: int, point: Mapping[str, Any], key: str, value: Any, held: Any,
+                config) -> None:
+  """`value`, which the config holds as `held`, reaches the point as the same value: its
+  flag text must parse back to `held` under the field's type, or the point would fail
+  (or run another setting) after the sweep accepted it."""
+  text = format_value(value)
+  where = f"sweep point {i} ({point_name(point)}): {key}={value!r} reaches the point as " \
+          f"--config.{key}={text}"
+  try:
+    got = _child_reads(config, key, text)
+  except (flags.Error, TypeError, ValueError) as e:
+    raise ConfigError(f"{where}, which its flag parser refuses: {e}") from None
+  # repr too: nan reads back as nan, yet nan != nan.
+  if type(got) is not type(held) or (got != held and repr(got) != repr(held)):
+    raise ConfigError(f"{where}, which it reads back as {got!r}, not {held!r}; give a value "
+                      f"of the field's type ({type(held).__name__})")
+
+
+def check_shared(base_overrides: Mapping[str, Any], child_args: Sequence[str],
+                 points: Sequence[Mapping[str, Any]]) -> None:
+  """The `--config.k=v` overrides and the extra arguments every point gets leave alone
+  what the sweep sets per point: a reserved key (workdir), a swept key, the config file.
+
+  absl keeps the last of two values for one flag, so a base `--config.workdir=...` (given
+  out of habit, as to every other entry point) would send every point into one directory,
+  and the sweep would then count points finished whose results are elsewhere."""
+  swept = sorted({k for p in points for k in p})
+  reserved = sorted(set(base_overrides) & set(RESERVED_KEYS))
+  if reserved:
+    raise ConfigError(f"--config.{reserved[0]}=... is set by the sweep itself (<--workdir>/"
+                      "<point name> for each point); drop it (the sweep's own directory is "
+                      "--workdir)")
+  both = sorted(set(base_overrides) & set(swept))
+  if both:
+    raise ConfigError(f"key(s) {both} are both swept and set with --config.<key>=...; give "
+                      "each in one place")
+  for arg in child_args:
+    # The forms config_flags reads as an override: -config.k, --config.k=v, --noconfig.k.
+    m = re.match(r"-{1,2}(no)?config\.([^=]+)", arg)
+    key = m.group(2) if m else None
+    if key in RESERVED_KEYS:
+      raise ConfigError(f"--child_arg {arg!r}: config.{key} is set by the sweep itself "
+                        "(<--workdir>/<point name> for each point); drop it")
+    if key in swept:
+      raise ConfigError(f"--child_arg {arg!r}: config.{key} is swept; give each key in one "
+                        "place")
+    if re.match(r"-{1,2}config(=|$)", arg):
+      raise ConfigError(f"--child_arg {arg!r}: the sweep passes its own --config to every "
+                        "point; give the config file as the sweep's --config")
 
 
 def shared_overrides(config, base_overrides: Mapping[str, Any],
@@ -279,6 +371,7 @@ def shared_overrides(config, base_overrides: Mapping[str, Any],
 # ---- names and commands ----------------------------------------------------------------
 def format_value(value: Any) -> str:
   """A value as absl/config_flags reads it back (`--config.k=<this>`)."""
+  value = _plain(value)
   if isinstance(value, (list, tuple)):
     return repr(tuple(value))
   if isinstance(value, float):
@@ -317,6 +410,9 @@ class Point:
   name: str
   overrides: dict[str, Any]
   workdir: str
+  # The command the sweep runs it with, for a point read back from sweep.json
+  # (`load_points`): what `finished` holds its done marker against.
+  command: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
 
   @property
   def log(self) -> str:
@@ -335,29 +431,64 @@ def override_args(overrides: Mapping[str, Any]) -> list[str]:
 def command(point: Point, *, module: str, config_spec: str,
             base_overrides: Mapping[str, Any] | None = None, python: str = "python",
             extra_args: Sequence[str] = ()) -> list[str]:
-  """argv of one point: base overrides first, then the point's own."""
-  return [python, "-m", module, "--config", config_spec, f"--config.workdir={point.workdir}",
-          *override_args(base_overrides or {}), *override_args(point.overrides), *extra_args]
+  """argv of one point: base overrides first, then the point's own, its work directory
+  last (absl keeps the last value of a flag: no other argument can move the point
+  elsewhere; `check_shared` refuses them too)."""
+  return [python, "-m", module, "--config", config_spec, *override_args(base_overrides or {}),
+          *override_args(point.overrides), *extra_args, f"--config.workdir={point.workdir}"]
 
 
 def finished(point: Point, argv: Sequence[str] | None = None) -> str | None:
   """Why `point` counts as finished (its marker's path), or None.
 
-  With `argv` (the command the sweep would run now), a point the sweep finished with
-  another command does not count (`changed_command`): it runs again, and the run
-  decides (the recipe resumes what is left, or refuses a config that changed under
-  finished stages), instead of the sweep reporting results of other settings."""
+  With `argv` (the command the sweep would run now; by default the one sweep.json
+  records for a point from `load_points`), a point the sweep finished with another
+  command does not count (`changed_command`): it runs again, and the run decides (the
+  recipe resumes what is left, or refuses a config that changed under finished stages),
+  instead of the sweep reporting results of other settings."""
+  if argv is None:
+    argv = point.command
+  path = _marker(point)
+  if path and argv is not None and changed_command(point, argv):
+    return None
+  return path
+
+
+def _marker(point: Point) -> str | None:
+  """The point's eval_final.json or done marker, whatever command wrote it, or None."""
   for marker in (FINAL_REPORT, DONE_MARKER):
     path = os.path.join(point.workdir, marker)
     if os.path.exists(path):
-      return None if argv is not None and changed_command(point, argv) else path
+      return path
   return None
 
 
 def _comparable(argv: Sequence[str]) -> list[str]:
-  # Not the interpreter (another virtualenv runs the same point) nor where the compiled
-  # programs are kept (points of sweeps before the shared cache had none).
-  return [a for a in list(argv)[1:] if not a.startswith(f"--config.{COMPILE_CACHE_KEY}=")]
+  """What decides a point's run in its command, each part as shell text, order aside:
+  the module, the config file (resolved: a relative and an absolute path to one file are
+  one), the overrides (the last value per key, as absl keeps) and the other arguments.
+  Not the interpreter (another virtualenv runs the same point) nor where the compiled
+  programs are kept (points of sweeps before the shared cache had none)."""
+  args = [str(a) for a in list(argv)[1:]]
+  parts, overrides, i = [], {}, 0
+  while i < len(args):
+    a = args[i]
+    if a in ("-m", "--config") and i + 1 < len(args):
+      value = args[i + 1]
+      if a == "--config":
+        path, colon, variant = value.partition(":")
+        value = os.path.abspath(path) + colon + variant
+      parts.append(shlex.join([a, value]))
+      i += 2
+      continue
+    m = re.match(r"--config\.([^=]+)=", a)
+    if m:
+      overrides[m.group(1)] = a   # absl keeps the last value of a flag
+    else:
+      parts.append(shlex.quote(a))
+    i += 1
+  parts += [shlex.quote(a) for k, a in overrides.items() if k != COMPILE_CACHE_KEY]
+  return parts
 
 
 def changed_command(point: Point, argv: Sequence[str]) -> str | None:
@@ -371,13 +502,13 @@ def changed_command(point: Point, argv: Sequence[str]) -> str | None:
   if not isinstance(before, list):
     return None
   old, new = _comparable(before), _comparable(argv)
-  if old == new:
+  if collections.Counter(old) == collections.Counter(new):
     return None
   added = [a for a in new if a not in old]
   dropped = [a for a in old if a not in new]
-  return "; ".join(part for part in (f"now also {shlex.join(added)}" if added else "",
-                                      f"no longer {shlex.join(dropped)}" if dropped else "")
-                   if part) or "the same arguments in another order"
+  return "; ".join(part for part in (f"now also {' '.join(added)}" if added else "",
+                                      f"no longer {' '.join(dropped)}" if dropped else "")
+                   if part) or "an argument given another number of times"
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -411,9 +542,10 @@ def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,
   seconds = time.time() - t0
   if rc != 0:
     return Outcome(point, "failed", rc, seconds, f"exit status {rc}")
-  with open(os.path.join(point.workdir, DONE_MARKER), "w") as f:
-    json.dump({"command": list(argv), "overrides": point.overrides, "returncode": rc,
-               "seconds": round(seconds, 1)}, f, indent=2, default=str)
+  _write_atomic(os.path.join(point.workdir, DONE_MARKER),
+                json.dumps({"command": list(argv), "overrides": point.overrides,
+                            "returncode": rc, "seconds": round(seconds, 1)},
+                           indent=2, default=str))
   return Outcome(point, "done", rc, seconds)
 
 
@@ -525,13 +657,19 @@ def point_metrics(point: Point) -> dict[str, Any]:
 
 def result_rows(points: Sequence[Point], outcomes: Sequence[Outcome] | None = None
                 ) -> tuple[list[dict[str, Any]], list[str]]:
-  """One row per point (name, status, swept keys, metrics) and the metric columns."""
+  """One row per point (name, status, swept keys, metrics) and the metric columns.
+
+  Status: "finished", "failed" or "interrupted" from `outcomes`; without them (a
+  notebook reading a sweep) "finished" when its marker holds (for points from
+  `load_points`: with the command sweep.json records), "stale" when it finished with
+  another command (its results are of other settings), else "missing"."""
   status = {o.point.name: o.status for o in outcomes or ()}
   keys = sorted({k for p in points for k in p.overrides})
   rows, metric_cols = [], []
   for p in points:
     m = point_metrics(p)
-    st = status.get(p.name) or ("finished" if finished(p) else "missing")
+    st = status.get(p.name) or ("finished" if finished(p) else
+                                "stale" if _marker(p) else "missing")
     if st in ("skipped", "done"):
       st = "finished"
     row = {"point": p.name, "status": st}
@@ -555,9 +693,11 @@ def _numeric(v) -> float | None:
 
 def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
               metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
-  """Points that differ only in `seed`, grouped: n seeds with results, then per metric
-  "mean ± std" (std with ddof=1, as over repeated runs; only the mean for one seed).
-  Raw `<metric>_mean` / `<metric>_std` go in the dict too (for CSV)."""
+  """Points that differ only in `seed`, grouped: n finished points, the seeds left out
+  (with their status), then per metric "mean ± std" over the finished points only (std
+  with ddof=1, as over repeated runs; only the mean for one seed; "(n=k)" when k
+  values are fewer than the group's points). Raw `<metric>_mean` / `<metric>_std` go
+  in the dict too (for CSV)."""
   groups: dict[str, list[int]] = {}
   rest_of: dict[str, dict[str, Any]] = {}
   for i, p in enumerate(points):
@@ -572,9 +712,14 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
     row.update({k: format_value(rest_of[g][k]) if k in rest_of[g] else "" for k in keys})
     seeds = [points[i].overrides.get(SEED_KEY) for i in idx]
     row["seeds"] = " ".join(str(s) for s in seeds)
-    row["n"] = sum(1 for i in idx if rows[i]["status"] == "finished")
+    # Only finished points count: an interrupted run's last RL row is from an early step,
+    # and a failed or stale point's eval_final.json is from an earlier command.
+    done = [i for i in idx if rows[i]["status"] == "finished"]
+    row["n"] = len(done)
+    row["left out"] = ", ".join(f"{points[i].overrides.get(SEED_KEY)} ({rows[i]['status']})"
+                                for i in idx if i not in done)
     for col in metric_cols:
-      vals = [x for x in (_numeric(rows[i].get(col)) for i in idx) if x is not None]
+      vals = [x for x in (_numeric(rows[i].get(col)) for i in done) if x is not None]
       if not vals:
         row[col] = ""
         continue
@@ -584,7 +729,7 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
       row[col] = _fmt(mean) + (f" ± {_fmt(std)}" if std is not None else "") + \
           (f" (n={len(vals)})" if len(vals) != len(idx) else "")
     out.append(row)
-  return out, ["group", *keys, "seeds", "n", *metric_cols]
+  return out, ["group", *keys, "seeds", "n", "left out", *metric_cols]
 
 
 def _fmt(v: Any) -> str:
@@ -623,15 +768,12 @@ def write_tables(sweep_workdir: str, points: Sequence[Point],
   for c in metric_cols:
     gcsv_cols += [f"{c}_mean", f"{c}_std"]
   os.makedirs(sweep_workdir, exist_ok=True)
-  with open(os.path.join(sweep_workdir, "results.csv"), "w") as f:
-    f.write(to_csv(rows, cols))
-  with open(os.path.join(sweep_workdir, "results_seeds.csv"), "w") as f:
-    f.write(to_csv(grouped, gcsv_cols))
+  _write_atomic(os.path.join(sweep_workdir, "results.csv"), to_csv(rows, cols))
+  _write_atomic(os.path.join(sweep_workdir, "results_seeds.csv"), to_csv(grouped, gcsv_cols))
   md = ("## Final metrics per point\n\n" + markdown(rows, cols) +
-        "\n\n## Mean ± std over seeds (points that differ only in `seed`; std ddof=1)\n\n" +
-        markdown(grouped, gcols) + "\n")
-  with open(os.path.join(sweep_workdir, "results.md"), "w") as f:
-    f.write(md)
+        "\n\n## Mean ± std over seeds (points that differ only in `seed`; finished points "
+        "only, the others are left out; std ddof=1)\n\n" + markdown(grouped, gcols) + "\n")
+  _write_atomic(os.path.join(sweep_workdir, "results.md"), md)
   return md
 
 
@@ -648,9 +790,22 @@ def write_manifest(sweep_workdir: str, points: Sequence[Point],
                       "log": p.log} for p in points]}
   os.makedirs(sweep_workdir, exist_ok=True)
   path = os.path.join(sweep_workdir, "sweep.json")
-  with open(path, "w") as f:
-    json.dump(data, f, indent=2, default=str)
+  _write_atomic(path, json.dumps(data, indent=2, default=str))
   return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+  """`text` into `path` whole or not at all: notebooks read sweep.json and the tables
+  while a sweep runs (and rewrites them), and a killed sweep must not leave half a file."""
+  tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def python_executable() -> str:
@@ -659,12 +814,16 @@ def python_executable() -> str:
 
 # ---- curves (what a notebook plots) -------------------------------------------------------
 def load_points(sweep_workdir: str) -> list[Point]:
-  """The points of a sweep, from its sweep.json (written when the sweep starts)."""
+  """The points of a sweep, from its sweep.json (written when the sweep starts), each
+  with the command the sweep runs it with (so that `finished` and `result_rows` count
+  a point finished with another command as not finished)."""
   path = os.path.join(sweep_workdir, "sweep.json")
   try:
     with open(path) as f:
       data = json.load(f)
-    return [Point(p["name"], dict(p["overrides"]), p["workdir"]) for p in data["points"]]
+    return [Point(p["name"], dict(p["overrides"]), p["workdir"],
+                  tuple(p["command"]) if p.get("command") is not None else None)
+            for p in data["points"]]
   except FileNotFoundError:
     raise SweepError(f"{path}: no sweep manifest here (run experiments.sweep with "
                      f"--workdir {sweep_workdir} first)") from None

@@ -172,6 +172,86 @@ def test_validate_names_valid_keys_and_types(fake):
     sweep.validate([{"lr": 0.5}, {"lr": 0.5}], config)
 
 
+def test_numpy_values_become_python_and_values_must_read_back(fake, tmp_path):
+  """A point's values reach it as flag text: np.float64 (np.logspace's) is written as a
+  plain number, and a value its flag would read back as something else (a bool for a
+  float field: the config casts it, the flag parser refuses "True") stops the sweep."""
+  config = sweep.load_config(fake[0])
+  cfg = tmp_path / "np_cfg.py"
+  cfg.write_text(FAKE_CONFIG + "import numpy as np\ndef get_sweep():\n"
+                 "  return [{'lr': v, 'nested.x': np.int64(i)} "
+                 "for i, v in enumerate(np.logspace(-4, -3, 2))]\n")
+  points = sweep.load_sweep(str(cfg))
+  assert [type(p["lr"]) for p in points] == [float, float]
+  assert [type(p["nested.x"]) for p in points] == [int, int]
+  assert sweep.format_value(np.float64(1e-4)) == "0.0001"
+  assert sweep.format_value((np.int64(1), np.float32(0.5))) == "(1, 0.5)"
+  assert sweep.point_name({"lr": np.float64(1e-4)}) == "lr=0.0001"
+  sweep.validate(points + [{"lr": np.float64(3e-4)}], config)
+  with pytest.raises(sweep.SweepError, match=r"lr=True is a bool, but the field is of type float"):
+    sweep.validate([{"lr": True}], config)
+  with pytest.raises(sweep.SweepError, match=r"nested.x=False is a bool, but the field is of type int"):
+    sweep.validate([{"nested.x": False}], config)
+  sweep.validate([{"fail": True}], config)   # a bool field takes a bool
+  # A field the config takes anything for, but whose flag the child's parser refuses.
+  loose = ml_collections.ConfigDict({"seed": 0, "opt": None})
+  with pytest.raises(sweep.SweepError, match=r"opt=1 reaches the point as --config.opt=1, "
+                     "which its flag parser refuses"):
+    sweep.validate([{"opt": 1}], loose)
+
+
+def test_shared_overrides_and_child_args_leave_the_point_alone(fake, tmp_path):
+  """A base --config.workdir (given out of habit) or one in --child_arg would send every
+  point into one directory (absl keeps the last value): refused, and the point's own
+  directory is the last argument anyway."""
+  points = [{"lr": 0.1, "seed": 0}, {"lr": 0.2, "seed": 0}]
+  p = sweep.make_points(points, str(tmp_path))[0]
+  argv = sweep.command(p, module="m", config_spec="c.py", base_overrides={"nested.x": 2},
+                       extra_args=["--stages=sft"])
+  assert argv[-1] == f"--config.workdir={p.workdir}"
+  assert [a for a in argv if "workdir" in a] == [argv[-1]]
+  # Through the entry point: nothing runs, no shared directory appears.
+  cfg, _, env = fake
+  args = ["--config", cfg, "--workdir", str(tmp_path / "sw"), "--seeds", "0,1", "--module",
+          "fake_child"]
+  out = _sweep_cli(env, *args, f"--config.workdir={tmp_path}/shared", check=False)
+  assert out.returncode == 2 and "config error: --config.workdir=... is set by the sweep " \
+      "itself" in out.stderr, out.stderr
+  out = _sweep_cli(env, *args, f"--child_arg=--config.workdir={tmp_path}/shared", check=False)
+  assert out.returncode == 2 and "config.workdir is set by the sweep itself" in out.stderr
+  assert not (tmp_path / "shared").exists() and not (tmp_path / "sw").exists()
+  sweep.check_shared({"nested.x": 2}, ["--stages=sft", "--config.method=b"], points)
+  with pytest.raises(sweep.SweepError, match=r"--config.workdir=... is set by the sweep"):
+    sweep.check_shared({"workdir": "/shared"}, [], points)
+  with pytest.raises(sweep.SweepError, match="both swept and set"):
+    sweep.check_shared({"seed": 1}, [], points)
+  for arg in ("--config.workdir=/x", "-config.workdir", "--config.workdir"):
+    with pytest.raises(sweep.SweepError, match=r"config.workdir is set by the sweep itself"):
+      sweep.check_shared({}, [arg], points)
+  with pytest.raises(sweep.SweepError, match=r"--child_arg '--config.seed=3': config.seed is "
+                     "swept"):
+    sweep.check_shared({}, ["--config.seed=3"], points)
+  with pytest.raises(sweep.SweepError, match="passes its own --config"):
+    sweep.check_shared({}, ["--config=other.py"], points)
+
+
+def test_roc_ablation_smoke_variant_is_a_smoke_run_at_its_own_group_size():
+  """The ablation keeps the smoke variant's few RL steps, and g_only draws the variant's
+  G (what roc and uniform keep of their 2G), not the full variant's 4."""
+  from experiments.configs import toy
+  spec = os.path.join(REPO, "experiments/configs/toy_roc_ablation.py")
+  for variant in ("", "smoke"):
+    config = sweep.load_config(f"{spec}:{variant}" if variant else spec)
+    points = sweep.load_sweep(f"{spec}:{variant}" if variant else spec)
+    group = config.rl.downsample.group_size
+    assert config.stage1.num_steps == (40 if not variant else
+                                       toy.get_config(variant).stage1.num_steps)
+    drawn = {p["rl.downsample.method"]: p.get("rl.samples_per_prompt",
+                                              config.rl.samples_per_prompt) for p in points}
+    assert drawn == {"roc": 2 * group, "uniform": 2 * group, "none": group}, (variant, drawn)
+  assert sweep.load_config(spec + ":smoke").stage1.num_steps < 40
+
+
 # ---- running, skipping, failures --------------------------------------------------------
 def test_run_skip_and_failure(fake, tmp_path):
   cfg, _, env = fake
@@ -264,6 +344,7 @@ def test_tables_mean_std_over_seeds(tmp_path):
   grouped = list(csv.DictReader(open(tmp_path / "results_seeds.csv")))
   assert [g["group"] for g in grouped] == ["m=roc", "m=uniform"]
   assert [g["n"] for g in grouped] == ["3", "2"]
+  assert [g["left out"] for g in grouped] == ["", "2 (missing)"]
   assert float(grouped[0]["pass_at_1_mean"]) == pytest.approx(0.6)
   assert float(grouped[0]["pass_at_1_std"]) == pytest.approx(np.std([0.5, 0.6, 0.7], ddof=1))
   assert float(grouped[1]["pass_at_1_mean"]) == pytest.approx(0.3)
@@ -272,9 +353,85 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert grouped[0]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
   per_point = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert len(per_point) == 6 and per_point[1]["pass_at_1"] == "0.6"
-  assert "| m=roc | roc | 0 1 2 | 3 | 0.6 ± 0.1 |" in md
+  assert "| m=roc | roc | 0 1 2 | 3 |  | 0.6 ± 0.1 |" in md
   assert "0.3 ± 0.1414 (n=2)" in md
   assert md == open(tmp_path / "results.md").read()
+
+
+def test_seed_table_counts_only_finished_points(tmp_path):
+  """An interrupted seed's last RL row (an early step) and a failed rerun's old
+  eval_final.json are not averaged with the finished seeds; the table says who is left out."""
+  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
+                          [{"m": "u", "seed": s} for s in (0, 1)], str(tmp_path))
+  for p in pts:
+    last = 5 if p.overrides == {"m": "roc", "seed": 2} else 40
+    os.makedirs(os.path.join(p.workdir, "stage1"))
+    with open(os.path.join(p.workdir, "stage1", "metrics_rl.jsonl"), "w") as f:
+      f.write("".join(json.dumps({"step": s, "rollout/reward_mean": s / 40}) + "\n"
+                      for s in range(1, last + 1)))
+    if last == 40:
+      with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
+        json.dump({"pass_at_1": 0.8 if p.overrides["m"] == "roc" else 0.1 * p.overrides["seed"]},
+                  f)
+  outs = [sweep.Outcome(pts[0], "skipped"), sweep.Outcome(pts[1], "done"),
+          sweep.Outcome(pts[2], "interrupted"), sweep.Outcome(pts[3], "failed"),
+          sweep.Outcome(pts[4], "failed")]
+  md = sweep.write_tables(str(tmp_path), pts, outs)
+  grouped = {g["group"]: g for g in csv.DictReader(open(tmp_path / "results_seeds.csv"))}
+  roc, u = grouped["m=roc"], grouped["m=u"]
+  assert float(roc["last_rl/reward_mean_mean"]) == pytest.approx(1.0)   # not with 5/40
+  assert float(roc["last_rl/step_mean"]) == pytest.approx(40)
+  assert u["pass_at_1_mean"] == "" and u["last_rl/reward_mean_mean"] == ""
+  assert roc["n"] == "2" and roc["left out"] == "2 (interrupted)"
+  assert u["n"] == "0" and u["left out"] == "0 (failed), 1 (failed)"
+  assert "| m=roc | roc | 0 1 2 | 2 | 2 (interrupted) | 0.8 ± 0 (n=2) |" in md, md
+  assert "| m=u | u | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in md, md
+
+
+def test_without_outcomes_a_point_finished_with_another_command_is_stale(tmp_path):
+  """What a notebook sees (points from sweep.json, no outcomes): a point whose done
+  marker holds another command than the manifest's has results of other settings."""
+  root = str(tmp_path / "sw")
+  pts = sweep.make_points([{"seed": s} for s in (0, 1, 2)], root)
+  now = lambda p: ["python", "-m", "child", "--config", "c.py", "--config.lr=0.7",
+                   f"--config.seed={p.overrides['seed']}", f"--config.workdir={p.workdir}"]
+  for p in pts[:2]:
+    os.makedirs(p.workdir)
+    with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
+      json.dump({"pass_at_1": 0.5 + 0.1 * p.overrides["seed"]}, f)
+    argv = now(p)
+    if p.overrides["seed"] == 1:   # finished with lr=0.5; a rerun with 0.7 failed
+      argv = [a.replace("lr=0.7", "lr=0.5") for a in argv]
+    else:   # the same command in another order, the config path absolute: the same
+      argv = argv[:4] + [os.path.abspath("c.py")] + argv[5:][::-1]
+    with open(os.path.join(p.workdir, sweep.DONE_MARKER), "w") as f:
+      json.dump({"command": argv}, f)
+  sweep.write_manifest(root, pts, now)
+  loaded = sweep.load_points(root)
+  assert [bool(sweep.finished(p)) for p in loaded] == [True, False, False]
+  rows, cols = sweep.result_rows(loaded)
+  grouped, _ = sweep.seed_rows(loaded, rows, ["pass_at_1"])
+  assert grouped[0]["n"] == 1 and grouped[0]["pass_at_1_mean"] == pytest.approx(0.5)
+  assert [r["status"] for r in rows] == ["finished", "stale", "missing"]
+  assert grouped[0]["left out"] == "1 (stale), 2 (missing)"
+  assert loaded == pts and loaded[0].command == tuple(now(pts[0]))
+
+
+def test_manifest_and_tables_are_written_whole_or_not_at_all(tmp_path):
+  """Notebooks read sweep.json while a sweep rewrites it: a write that dies midway leaves
+  the previous file whole, and no temporary file behind."""
+  class Unprintable:
+    def __str__(self):
+      raise RuntimeError("no text")
+  pts = sweep.make_points([{"seed": 0}, {"seed": 1}], str(tmp_path))
+  sweep.write_manifest(str(tmp_path), pts, lambda p: ["python", "-m", "x"])
+  bad = [sweep.Point(pts[0].name, {"seed": Unprintable()}, pts[0].workdir)]
+  with pytest.raises(RuntimeError, match="no text"):
+    sweep.write_manifest(str(tmp_path), bad, lambda p: ["python", "-m", "x"])
+  assert sweep.load_points(str(tmp_path)) == pts
+  sweep.write_tables(str(tmp_path), pts)
+  assert sorted(f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)) == \
+      ["results.csv", "results.md", "results_seeds.csv", "sweep.json"]
 
 
 def test_curves_per_step_across_stages_and_over_seeds(tmp_path):
@@ -321,8 +478,8 @@ def test_cli_print_only(fake, tmp_path):
                    "--module", "fake_child", "--print_only")
   cmds = out.stdout.strip().splitlines()
   assert len(cmds) == 2 * 2 * 2
-  assert cmds[0].startswith(f"python -m fake_child --config {cfg_sweep}:big "
-                            f"--config.workdir={root}/method=a,nested.x=1,seed=0 ")
+  assert cmds[0].startswith(f"python -m fake_child --config {cfg_sweep}:big ")
+  assert cmds[0].endswith(f" --config.workdir={root}/method=a,nested.x=1,seed=0")
   assert all("--config.nested.name=zz" in c for c in cmds)
   assert "--config.lr=2.0 --config.nested.x=2 --config.seed=1" in cmds[-1]
   assert not root.exists() or not any(root.iterdir())   # nothing ran
@@ -378,6 +535,44 @@ def test_a_point_finished_with_another_command_runs_again(fake, tmp_path):
   # --print_only lists it again too; the same command again is finished.
   assert "seed=0" in _sweep_cli(env, *args, "--config.lr=0.5", "--print_only").stdout
   assert not _sweep_cli(env, *args, "--config.lr=0.7", "--print_only").stdout.strip()
+
+
+def test_a_failed_rerun_with_another_command_reports_no_old_results(fake, tmp_path):
+  cfg, _, env = fake
+  root = tmp_path / "sw"
+  args = ["--config", cfg, "--workdir", str(root), "--seeds", "0,1", "--module", "fake_child"]
+  _sweep_cli(env, *args, "--config.lr=0.5")
+  out = _sweep_cli(env, *args, "--config.lr=0.7", "--config.fail=True", check=False)
+  assert out.returncode == 1, out.stdout + out.stderr
+  grouped = list(csv.DictReader(open(root / "results_seeds.csv")))
+  assert len(grouped) == 1 and grouped[0]["n"] == "0"
+  assert grouped[0]["pass_at_1_mean"] == "" and grouped[0]["pass_at_1_std"] == ""
+  assert grouped[0]["left out"] == "0 (failed), 1 (failed)"
+  assert "| base | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in out.stdout, out.stdout
+
+
+def test_the_same_command_in_another_order_is_not_a_change(fake, tmp_path):
+  """Overrides in another order, or the config path relative instead of absolute: the
+  points are finished, not run again."""
+  cfg, _, env = fake
+  root = tmp_path / "sw"
+  args = ["--workdir", str(root), "--seeds", "0", "--module", "fake_child"]
+  _sweep_cli(env, "--config", os.path.relpath(cfg, REPO), *args, "--config.lr=0.5",
+             "--config.nested.x=2", "--child_arg=--verbosity=0",
+             "--child_arg=--stderrthreshold=fatal")
+  out = _sweep_cli(env, "--config", cfg, *args, "--config.nested.x=2", "--config.lr=0.5",
+                   "--child_arg=--stderrthreshold=fatal", "--child_arg=--verbosity=0")
+  assert "seed=0: finished before" in out.stdout and "another command" not in out.stdout
+  assert open(root / "seed=0" / "runs.txt").read().count("run") == 1
+  p = sweep.make_points([{"seed": 0}], str(root))[0]
+  before = json.load(open(os.path.join(p.workdir, sweep.DONE_MARKER)))["command"]
+  # Another interpreter; a key given twice (absl keeps the last value).
+  assert sweep.changed_command(p, ["/other/python", *before[1:5], "--config.lr=0.1",
+                                   *before[5:]]) is None
+  assert sweep.changed_command(p, [*before, "--config.lr=0.6"]) == \
+      "now also --config.lr=0.6; no longer --config.lr=0.5"
+  assert "now also -m other" in sweep.changed_command(p, [before[0], "-m", "other",
+                                                           *before[3:]])
 
 
 def test_points_share_one_compile_cache_when_the_config_has_one(fake, tmp_path):

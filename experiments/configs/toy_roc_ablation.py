@@ -17,6 +17,8 @@ Points (`get_sweep`):
   roc       GRPO-RoC: 2G rollouts, G kept by RoC (the report's counts).
   uniform   plain GRPO at the same compute: 2G rollouts, G kept uniformly at random.
   g_only    plain GRPO with G rollouts (half the sampling compute).
+G is the variant's `rl.downsample.group_size`: 4, or 2 in the `:smoke` variant (toy.py's
+smoke run, to try the sweep end to end).
 """
 from rstar_jax import config_utils as cu
 from rstar_jax import recipe
@@ -24,11 +26,6 @@ from rstar_jax import recipe
 from experiments.configs import toy
 
 SEEDS = (0, 1, 2)
-ARMS = {
-    "roc": {"rl.downsample.method": "roc"},
-    "uniform": {"rl.downsample.method": "uniform"},
-    "g_only": {"rl.downsample.method": "none", "rl.samples_per_prompt": 4},
-}
 
 
 def get_config(variant: str = ""):
@@ -41,8 +38,10 @@ def get_config(variant: str = ""):
   c.tokenizer.kind = "hf"
   c.sft.enabled = False
   # What matters to the effect is the RL stage; stage 2's longer budget and the stage-3
-  # hard subset are the recipe's, not the ablation's. Stage 1 runs longer instead.
-  c.stage1.num_steps = 40
+  # hard subset are the recipe's, not the ablation's. Stage 1 runs 40 steps instead
+  # (the smoke variant keeps its own few: a smoke run).
+  if variant != "smoke":
+    c.stage1.num_steps = 40
   c.stage2.num_steps = 0
   c.stage3.num_steps = 0
   c.eval.after_sft = False
@@ -50,5 +49,12 @@ def get_config(variant: str = ""):
 
 
 def get_sweep(variant: str = ""):
-  del variant
-  return [dict(arm, seed=seed) for arm in ARMS.values() for seed in SEEDS]
+  # The config draws 2G rollouts per prompt and keeps G; g_only draws G, the variant's G
+  # (a fixed 4 would be the smoke variant's 2G: the same compute as the other arms).
+  group = get_config(variant).rl.downsample.group_size
+  arms = {
+      "roc": {"rl.downsample.method": "roc"},
+      "uniform": {"rl.downsample.method": "uniform"},
+      "g_only": {"rl.downsample.method": "none", "rl.samples_per_prompt": group},
+  }
+  return [dict(arm, seed=seed) for arm in arms.values() for seed in SEEDS]
