@@ -374,13 +374,11 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
   filters again."""
   cache = os.path.join(ctx.workdir, stage, "hard_subset.json")
   by_uid = {p.uid: p for p in ctx.train_problems}
-  prev = _last_done(ctx.workdir, stage)
   # Through JSON once, so that it compares equal to what the cache file reads back.
   made_with = json.loads(json.dumps({
       "k": stage_cfg.hard_k, "pool": stage_cfg.hard_pool or len(ctx.train_problems),
       "seed": ctx.config.seed, "agent": dataclasses.asdict(stage_cfg.agent),
-      "model": [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
-                ctx.config.model.hf_dir]}, default=str))
+      "model": _model_made(ctx, stage)}, default=str))
 
   def reusable() -> list[str] | None:
     cached = _read_json(cache)
@@ -414,10 +412,13 @@ def _read_json(path: str) -> dict | None:
 def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
               made_with: dict) -> list[str]:
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
+  # Resumable (8 rollouts of every training problem: many hours at 14B).
+  journal = cache[:-len(".json")] + ".journal.jsonl"
   groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
                             stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
-                            progress=True, desc="stage3 filter")
+                            progress=True, desc="stage3 filter", journal=journal,
+                            journal_key=made_with)
   rollouts.raise_if_failed([t for g in groups for t in g], "stage-3 filter")
   records = eval_lib.records_from([t for g in groups for t in g])
   uids = eval_metrics.unsolved_problems(records, k=stage_cfg.hard_k)
@@ -425,6 +426,7 @@ def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
   with open(cache + ".tmp", "w") as f:
     json.dump({"uids": uids, "pool": len(pool), "k": stage_cfg.hard_k, "made_with": made_with}, f)
   os.replace(cache + ".tmp", cache)
+  os.remove(journal)   # the cache is what it was for (it holds every rollout: large)
   logging.info("stage 3: %d of %d problems not solved %d/%d", len(uids), len(pool),
                stage_cfg.hard_k, stage_cfg.hard_k)
   return uids
@@ -467,13 +469,26 @@ def run_eval(ctx: Context, model, name: str, *, source: str = ""):
                              f"evaluation {name}")
 
 
+def _model_made(ctx: Context, before: str | None = None) -> list:
+  """What names the model a stage starts from: the last finished stage before `before`
+  (all of them: None), its step count, the starting checkpoint."""
+  prev = _last_done(ctx.workdir, before or "")
+  return [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
+          ctx.config.model.hf_dir]
+
+
 def _evaluate(ctx: Context, engines, name: str, source: str):
   e = ctx.config.eval
+  # An evaluation killed part-way resumes from its journal if the model and the settings
+  # are the ones it was written with (hours at 14B).
+  journal = os.path.join(ctx.workdir, f"eval_{name}.journal.jsonl")
+  key = {"name": name, "source": source, "model": _model_made(ctx), "seed": ctx.config.seed,
+         "eval": dataclasses.asdict(e)}
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
                                     dataset=name, model_source=source or name,
-                                    seed=ctx.config.seed)
+                                    seed=ctx.config.seed, journal=journal, journal_key=key)
   path = os.path.join(ctx.workdir, f"eval_{name}.json")
   samples = os.path.join(ctx.workdir, f"eval_{name}_samples.jsonl")
   text = report.to_json()
@@ -482,6 +497,7 @@ def _evaluate(ctx: Context, engines, name: str, source: str):
     f.write(text)
   os.replace(path + ".tmp", path)
   eval_lib.write_samples(samples, trajs, ctx.eval_problems, ctx.tokenizer)
+  os.remove(journal)   # the samples hold what it held
   return report
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from rstar_jax.data import math_data
 from rstar_jax.eval import metrics
@@ -45,18 +45,21 @@ class EvalConfig:
 
 def evaluate(engine, tools, proto, tokenizer, problems, cfg: EvalConfig, *,
              stream: Sequence[int], dataset: str = "", model_source: str = "",
-             seed: int | None = None, progress: bool = True
+             seed: int | None = None, progress: bool = True, journal: str | None = None,
+             journal_key: Any = None
              ) -> tuple[metrics.EvalReport, list[agent_loop.Trajectory]]:
-  """k trajectories per problem through `rl.rollouts.collect`, and their report."""
+  """k trajectories per problem through `rl.rollouts.collect`, and their report
+  (`journal`, `journal_key`: resumable, see `collect`)."""
   groups = rollouts.collect(engine, tools, proto, tokenizer, problems, k=cfg.k,
                             agent=cfg.agent, stream=stream, progress=progress,
-                            desc=dataset or "eval")
+                            desc=dataset or "eval", journal=journal, journal_key=journal_key)
   trajs = [t for g in groups for t in g]
   rollouts.raise_if_failed(trajs, f"evaluation {dataset}".strip())
   ks = sorted({1, cfg.k} | {x for x in (2, 4, 8, 16) if x < cfg.k})
   report = metrics.compute_report(records_from(trajs), temperature=cfg.agent.temperature,
                                   top_p=cfg.agent.top_p, ks=ks, dataset=dataset,
-                                  model_source=model_source, seed=seed)
+                                  model_source=model_source, seed=seed,
+                                  source_of={p.uid: p.source for p in problems})
   return report, trajs
 
 

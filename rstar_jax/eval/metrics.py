@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from rstar_jax.rollout import stats
 
@@ -137,6 +137,9 @@ class EvalReport:
   # Provenance: what was scored (an export directory, a stage) and the run's seed.
   model_source: str = ""
   seed: int | None = None
+  # Per benchmark, when the problems come from several (AIME next to MATH-500: one pooled
+  # number is mostly the larger set's): source -> {num_problems, pass_at_1, pass_at_k}.
+  by_source: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
@@ -205,6 +208,16 @@ class EvalReport:
     lines = [title, self.sampling_line(), rule]
     lines += [f"{name:<{width}}  {value:>{value_width}}" for name, value in rows]
     lines.append(rule)
+    if self.by_source:
+      ks = sorted(int(kk) for kk in next(iter(self.by_source.values()))["pass_at_k"])
+      src_width = max(6, max(len(src) for src in self.by_source))
+      header = f"{'source':<{src_width}}  {'problems':>8}  " + "  ".join(
+          f"{f'pass@{kk}':>7}" for kk in ks)
+      lines += [header, "-" * len(header)]
+      for src, d in self.by_source.items():
+        lines.append(f"{src:<{src_width}}  {d['num_problems']:>8}  " + "  ".join(
+            f"{pct(d['pass_at_k'][str(kk)]):>7}" for kk in ks))
+      lines.append("-" * len(header))
     if per_problem and self.per_problem:
       uid_width = min(40, max(3, max(len(p.uid) for p in self.per_problem)))
       header = (f"{'uid':<{uid_width}}  {'correct':>9}  {'reward':>7}  {'tokens':>8}  "
@@ -261,7 +274,8 @@ def _is_correct(record: SampleRecord, threshold: float) -> bool:
 def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p: float = 1.0,
                    ks: Sequence[int] | None = None, dataset: str = "",
                    success_threshold: float = 1.0, model_source: str = "",
-                   seed: int | None = None) -> EvalReport:
+                   seed: int | None = None, source_of: Mapping[str, str] | None = None
+                   ) -> EvalReport:
   """Aggregates per-sample records into an `EvalReport`.
 
   Args:
@@ -273,6 +287,8 @@ def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p
     success_threshold: a sample counts as correct for pass@k, the correct-trajectory
       statistics and `num_correct` when its reward is >= this (rewards are 0/1 in
       rStar2, so 1.0 is exact). pass@1 is the mean reward itself.
+    source_of: problem uid -> its benchmark (`MathProblem.source`); with more than one,
+      `by_source` holds pass@1 and pass@k per benchmark.
   """
   groups = group_by_problem(records)
   if not groups:
@@ -299,6 +315,15 @@ def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p
 
   n_problems, n_samples = len(per_problem), len(all_records)
   tool = stats.tool_stats(all_records, threshold=success_threshold)
+  by_source: dict[str, dict[str, Any]] = {}
+  if source_of is not None and len({source_of.get(p.uid, "") for p in per_problem}) > 1:
+    for p in per_problem:
+      by_source.setdefault(source_of.get(p.uid, ""), []).append(p)
+    by_source = {src: {"num_problems": len(ps),
+                       "pass_at_1": sum(p.mean_reward for p in ps) / len(ps),
+                       "pass_at_k": {str(kk): sum(pass_at_k(p.num_samples, p.num_correct, kk)
+                                                  for p in ps) / len(ps) for kk in ks}}
+                 for src, ps in sorted(by_source.items())}
   return EvalReport(
       temperature=float(temperature), top_p=float(top_p), dataset=dataset,
       samples_per_problem=k, num_problems=n_problems, num_samples=n_samples,
@@ -313,7 +338,8 @@ def compute_report(records: Iterable[SampleRecord], *, temperature: float, top_p
       tool_error_rate_correct=tool["tool_error_rate_correct"],
       share_no_tool_call=tool["no_tool_share"],
       share_truncated=sum(r.truncated for r in all_records) / n_samples,
-      per_problem=tuple(per_problem), model_source=model_source, seed=seed)
+      per_problem=tuple(per_problem), model_source=model_source, seed=seed,
+      by_source=by_source)
 
 
 def unsolved_problems(records: Iterable[SampleRecord], k: int, *,

@@ -11,7 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-from typing import Sequence
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Sequence
 
 from absl import logging
 import numpy as np
@@ -42,22 +46,46 @@ def run_sync(coro):
 def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
             problems: Sequence[math_data.MathProblem], *, k: int,
             agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
-            desc: str = "rollouts") -> list[list[agent_loop.Trajectory]]:
+            desc: str = "rollouts", journal: str | None = None,
+            journal_key: Any = None) -> list[list[agent_loop.Trajectory]]:
   """k scored trajectories per problem, grouped by problem (in order).
 
   A trajectory the engine failed (`Trajectory.failed`) is run once more with the same
   seed; one that fails again is returned failed (reward 0): RL drops its group,
-  evaluation refuses to report (`raise_if_failed`)."""
+  evaluation refuses to report (`raise_if_failed`).
+
+  `journal` (a path) makes a long collection resumable: every trajectory is appended
+  there as it finishes, and a call whose `journal_key` (what decides the trajectories:
+  the model, the settings), stream, k and items match the journal's runs only those not
+  in it. Each trajectory keeps its own seed, so the result equals an uninterrupted run."""
   items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
   seeds = trajectory_seeds(stream, len(items))
+  header = {"journal": 1, "key": journal_key, "stream": [int(x) for x in stream], "k": k,
+            "items": _items_digest(items)}
+  done = _read_journal(journal, header) if journal else {}
+  todo = [i for i in range(len(items)) if i not in done]
+  if done:
+    logging.info("%s: %d of %d trajectories from %s; running the other %d", desc, len(done),
+                 len(items), journal, len(todo))
   bar = None
   if progress:
     from tqdm import tqdm
-    bar = tqdm(total=len(items), desc=desc, unit="traj")
+    bar = tqdm(total=len(items), initial=len(done), desc=desc, unit="traj")
+  log = _JournalWriter(journal, header, resume=bool(done)) if journal else None
+  index_of = {items[i][0]: i for i in todo}
+
+  def finished(t: agent_loop.Trajectory) -> None:
+    if log is not None and not t.failed:
+      log.write(index_of[t.uid], t)
+    if bar is not None:
+      bar.update(1)
   try:
-    trajs = run_sync(agent_loop.run_many(
-        engine, tools, proto, items, agent, seeds=seeds,
-        progress=(lambda _: bar.update(1)) if bar is not None else None))
+    ran = run_sync(agent_loop.run_many(
+        engine, tools, proto, [items[i] for i in todo], agent, seeds=[seeds[i] for i in todo],
+        progress=finished))
+    trajs = [done.get(i) for i in range(len(items))]
+    for i, t in zip(todo, ran):
+      trajs[i] = t
     again = [i for i, t in enumerate(trajs) if t.failed]
     if again:
       logging.warning("%s: %d of %d trajectories failed (first: %s %s); running them again",
@@ -69,6 +97,8 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   finally:
     if bar is not None:
       bar.close()
+    if log is not None:
+      log.close()
   groups = []
   for i, p in enumerate(problems):
     group = trajs[i * k:(i + 1) * k]
@@ -78,6 +108,77 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
       t.meta["problem_uid"] = p.uid
     groups.append(group)
   return groups
+
+
+def _items_digest(items: Sequence[tuple[str, str]]) -> str:
+  h = hashlib.sha1()
+  for uid, problem in items:
+    h.update(repr((uid, problem)).encode("utf-8"))
+  return h.hexdigest()[:16]
+
+
+def _trajectory_from(d: dict) -> agent_loop.Trajectory:
+  d = dict(d)
+  d["turns"] = [tuple(x) for x in d.get("turns", ())]
+  d["tool_statuses"] = collections.Counter(d.get("tool_statuses", {}))
+  return agent_loop.Trajectory(**d)
+
+
+def _read_journal(path: str, header: dict) -> dict[int, agent_loop.Trajectory]:
+  """The journal's trajectories by item index, if it was written for `header`; a
+  journal of anything else (another model, other settings) is not used. A line cut off
+  by a kill ends the usable part."""
+  try:
+    with open(path) as f:
+      lines = f.read().split("\n")
+  except OSError:
+    return {}
+  try:
+    if json.loads(lines[0]) != json.loads(json.dumps(header, default=str)):
+      logging.warning("%s was written for another model or other settings; not used", path)
+      return {}
+  except ValueError:
+    return {}
+  done = {}
+  for line in lines[1:]:
+    try:
+      rec = json.loads(line)
+      done[int(rec["i"])] = _trajectory_from(rec["t"])
+    except (ValueError, KeyError, TypeError):
+      break
+  return done
+
+
+class _JournalWriter:
+  """Appends one JSON line per finished trajectory, flushed as written."""
+
+  def __init__(self, path: str, header: dict, resume: bool):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if resume:
+      self._cut_torn_tail(path)
+    else:
+      with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(header, default=str) + "\n")
+      os.replace(path + ".tmp", path)
+    self._f = open(path, "a")
+
+  @staticmethod
+  def _cut_torn_tail(path: str) -> None:
+    with open(path, "rb+") as f:
+      data = f.read()
+      end = data.rfind(b"\n") + 1
+      if end < len(data):
+        f.truncate(end)
+
+  def write(self, i: int, t: agent_loop.Trajectory) -> None:
+    # Not dataclasses.asdict: it rebuilds a Counter from (key, count) pairs, counting pairs.
+    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
+    d["tool_statuses"] = dict(t.tool_statuses)
+    self._f.write(json.dumps({"i": i, "t": d}) + "\n")
+    self._f.flush()
+
+  def close(self) -> None:
+    self._f.close()
 
 
 def raise_if_failed(trajs: Sequence[agent_loop.Trajectory], where: str) -> None:

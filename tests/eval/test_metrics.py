@@ -137,3 +137,24 @@ def test_unsolved_problems_stage3_filter():
   assert em.unsolved_problems(all_solved, 2) == []
   with pytest.raises(ValueError, match="exactly 8"):
     em.unsolved_problems(_records(), 8)
+
+
+def test_several_benchmarks_are_also_reported_one_by_one():
+  """Problems from several sources (AIME next to MATH-500) get pass@1 and pass@k per
+  source, each equal to a report of that source's problems alone; one pooled number
+  was all a run evaluating two benchmarks reported."""
+  records = _records()
+  source_of = {"a": "aime24", "b": "math500", "c": "math500"}
+  report = em.compute_report(records, temperature=1.0, ks=[1, 2, 4], source_of=source_of)
+  assert list(report.by_source) == ["aime24", "math500"]
+  for src, d in report.by_source.items():
+    alone = em.compute_report([r for r in records if source_of[r.problem_uid] == src],
+                              temperature=1.0, ks=[1, 2, 4])
+    assert d["num_problems"] == alone.num_problems
+    assert d["pass_at_1"] == pytest.approx(alone.pass_at_1)
+    assert {int(k): v for k, v in d["pass_at_k"].items()} == pytest.approx(alone.pass_at_k)
+  table = report.to_table()
+  assert "aime24" in table and "math500" in table and "pass@4" in table
+  assert em.EvalReport.from_json(report.to_json()) == report
+  one = em.compute_report(records, temperature=1.0, source_of={u: "x" for u in "abc"})
+  assert one.by_source == {}          # a single benchmark: nothing to split
