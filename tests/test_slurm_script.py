@@ -17,12 +17,21 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 _SRUN = r'''#!/bin/bash
 # srun [--options] CMD...: the trainer's command runs the fake trainer, any other sleeps.
+# Signals as srun handles them (SchedMD's srun, _forward_signal): SIGTERM and SIGHUP
+# kill the tasks with SIGKILL, other signals are passed on.
 while [[ $# -gt 0 && $1 == --* ]]; do shift; done
 echo $$ >> "$MARK.pids"
 if [[ " $* " == *" experiments.recipe "* ]]; then
-  exec python "$FAKE_TRAINER" "$@"
+  python "$FAKE_TRAINER" "$@" &
+else
+  sleep 300 &
 fi
-exec sleep 300
+child=$!
+trap 'kill -KILL $child' TERM HUP
+trap 'kill -USR2 $child' USR2
+rc=0
+while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done
+exit $rc
 '''
 
 _SCONTROL = r'''#!/bin/bash
@@ -33,11 +42,12 @@ echo "scontrol $*" >> "$MARK"
 _TRAINER = r'''
 import os, signal, sys, time
 mark = os.environ["MARK"]
-def term(signum, frame):
-  open(mark, "a").write("trainer saved on signal %d\n" % signum)
-  sys.exit(143)
-signal.signal(signal.SIGTERM, term)
-open(mark, "a").write("trainer started " + " ".join(sys.argv[1:]) + "\n")
+def stop(signum, frame):   # what rstar_jax.train.interrupt does, at once here
+  open(mark, "a").write("trainer saved on signal %d\\n" % signum)
+  sys.exit(128 + signum)
+for s in (signal.SIGTERM, signal.SIGUSR2):
+  signal.signal(s, signal.SIG_IGN if os.environ.get("FAKE_TRAINER_STUBBORN") else stop)
+open(mark, "a").write("trainer started " + " ".join(sys.argv[1:]) + "\\n")
 if os.environ.get("FAKE_TRAINER_FINISHES"):
   sys.exit(0)
 while True:
@@ -55,16 +65,18 @@ def _launch(tmp_path, curl_status=0, **env):
   bin_dir.mkdir()
   _tool(bin_dir / "srun", _SRUN)
   _tool(bin_dir / "scontrol", _SCONTROL)
-  _tool(bin_dir / "curl", f"#!/bin/bash\nexit {curl_status}\n")
+  # curl's exit status: MARK.curl's content when it exists (a test changes it), else 0.
+  (tmp_path / "mark.curl").write_text(str(curl_status))
+  _tool(bin_dir / "curl", '#!/bin/bash\nexit $(cat "$MARK.curl")\n')
   (tmp_path / "trainer.py").write_text(_TRAINER)
   mark = tmp_path / "mark"
   mark.write_text("")
   full = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
               MARK=str(mark), FAKE_TRAINER=str(tmp_path / "trainer.py"),
               SHARED=str(tmp_path), REPO=str(tmp_path), SLURM_JOB_ID="4242",
-              SLURM_JOB_NODELIST="node[0-7]", SERVERS_PER_NODE="2", **env)
+              SLURM_JOB_NODELIST="node[0-7]", SERVERS_PER_NODE="2", HEALTH_POLL="0.1", **env)
   proc = subprocess.Popen(["bash", SCRIPT], env=full, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
   return proc, mark
 
 
@@ -102,10 +114,11 @@ def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   proc.send_signal(signal.SIGUSR1)               # SLURM, 30 minutes before the limit
   out, _ = proc.communicate(timeout=30)
   text = mark.read_text()
-  assert "trainer saved on signal 15" in text, (text, out)
+  # SIGUSR2 through srun: a SIGTERM to srun would have SIGKILLed the trainer unsaved.
+  assert "trainer saved on signal 12" in text, (text, out)
   assert "scontrol requeue 4242" in text, (text, out)
-  assert proc.returncode == 143, out              # the trainer's own status
-  assert "stopping the trainer" in out and "trainer exited 143" in out
+  assert proc.returncode == 140, out              # the trainer's own status
+  assert "stopping the trainer" in out and "trainer exited 140" in out
   pids = [int(p) for p in (tmp_path / "mark.pids").read_text().split()]
   assert len(pids) == 4 + 8 + 1
   deadline = time.monotonic() + 10
@@ -127,3 +140,31 @@ def test_a_server_that_never_answers_fails_the_job(tmp_path):
   out, _ = proc.communicate(timeout=30)
   assert proc.returncode == 1 and "did not answer /health within 0 s" in out, out
   assert "trainer started" not in mark.read_text()
+
+
+def test_a_trainer_that_does_not_stop_is_requeued_after_the_grace(tmp_path):
+  """A trainer busy past STOP_GRACE (a long evaluation: it resumes from its journal) is
+  requeued anyway, before SLURM's hard limit, which would end the job unrequeued."""
+  proc, mark = _launch(tmp_path, FAKE_TRAINER_STUBBORN="1", STOP_GRACE="1")
+  try:
+    _wait_for(mark, "trainer started", proc)
+    proc.send_signal(signal.SIGUSR1)
+    _wait_for(mark, "scontrol requeue 4242", proc)
+    assert "trainer saved" not in mark.read_text()
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+
+def test_the_limit_before_the_trainer_starts_requeues_without_it(tmp_path):
+  """USR1 while the servers still start: requeued, no trainer started (the signal's
+  default action had killed the batch shell, with nothing requeued)."""
+  proc, mark = _launch(tmp_path, curl_status=7)    # no server healthy yet
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGUSR1)
+  time.sleep(0.5)
+  (tmp_path / "mark.curl").write_text("0")        # now they are
+  out, _ = proc.communicate(timeout=30)
+  text = mark.read_text()
+  assert proc.returncode == 0 and "scontrol requeue 4242" in text, (text, out)
+  assert "trainer started" not in text

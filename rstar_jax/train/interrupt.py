@@ -31,9 +31,11 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-  """Context manager: defers SIGINT / SIGTERM to the next step boundary."""
+  """Context manager: defers SIGINT / SIGTERM / SIGUSR2 to the next step boundary."""
 
-  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+  # SIGUSR2 too: under SLURM a batch script reaches its step's tasks through srun, which
+  # turns a SIGTERM into SIGKILL but passes SIGUSR2 on (experiments/slurm/*.sbatch).
+  SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
   _active: "StopRequests | None" = None   # the innermost entered one
 
   def __init__(self):

@@ -7,13 +7,15 @@ import pytest
 from rstar_jax.train import interrupt
 
 
-def test_signal_is_deferred_and_handlers_restored():
-  before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2])
+def test_signal_is_deferred_and_handlers_restored(signum):
+  # SIGUSR2: what the SLURM script sends through srun (which turns SIGTERM into SIGKILL).
+  before = signal.getsignal(signum)
   with interrupt.StopRequests() as stop:
     assert not stop.requested
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert stop.requested and stop.signum == signal.SIGTERM
-  assert signal.getsignal(signal.SIGTERM) is before
+    os.kill(os.getpid(), signum)
+    assert stop.requested and stop.signum == signum
+  assert signal.getsignal(signum) is before
 
 
 def test_a_signal_in_an_inner_guard_reaches_the_outer_one():
