@@ -440,6 +440,7 @@ class SGLangEngine:
     self._calls: dict[str, asyncio.Task] = {}
     self._dropped: set[str] = set()
     self._abort_after_pause: set[str] = set()   # aborted during a weight update's pause
+    self._paused = 0    # our pauses in force (between pause_generation and continue)
     # KV tokens the server's last /v1/loads counted beyond our own requests in flight
     # (other clients'); our own come from local accounting, which is never stale.
     self._others_used = 0
@@ -672,15 +673,19 @@ class SGLangEngine:
     raise last or _Unreachable("server out of rotation")
 
   # ---- Health, model check, probing ------------------------------------------------
-  def _mark_dead(self, reason: str) -> None:
-    """Out of rotation (on the I/O loop): its requests in flight go to other servers."""
+  def _mark_dead(self, reason: str, silent: bool = False) -> None:
+    """Out of rotation (on the I/O loop). `silent`: the server stopped answering at all
+    (its /v1/loads timed out), so its requests in flight, which no reply will end, go to
+    other servers. One request's failures leave the others where they run: a server
+    that truly died fails them itself, and their work (minutes at 14B) is kept."""
     if self.alive:
       logging.warning("sglang: %s leaves rotation: %s", self.url, reason)
     self.alive = False
     self.dead_reason = reason
-    for rid, call in list(self._calls.items()):
-      self._dropped.add(rid)
-      call.cancel()
+    if silent:
+      for rid, call in list(self._calls.items()):
+        self._dropped.add(rid)
+        call.cancel()
     self._next_probe = time.monotonic() + self.config.probe_interval_s
     self._maybe_probe()
 
@@ -805,7 +810,7 @@ class SGLangEngine:
                                            timeout=self.config.poll_timeout_s)
       except (_Unreachable, RequestTimedOut) as e:
         # A host that vanished without a reset only times out; /health brings it back.
-        self._mark_dead(f"/v1/loads: {e}")
+        self._mark_dead(f"/v1/loads: {e}", silent=isinstance(e, RequestTimedOut))
         continue
       except Exception as e:   # the poller must outlive any one bad exchange
         logging.warning("sglang: %s/v1/loads: %s: %s", self.url, type(e).__name__, e)
@@ -831,8 +836,8 @@ class SGLangEngine:
     """Runs an admin coroutine on the I/O loop from synchronous code."""
     return self.group.io.call(coro, timeout or self.config.admin_timeout_s + 60)
 
-  async def _abort_quietly(self, rid: str):
-    if self._syncing:
+  async def _abort_quietly(self, rid: str, again: bool = True):
+    if again and self._paused:
       self._abort_after_pause.add(rid)
     try:
       await self._http("POST", "/abort_request", abort_body(rid), timeout=10)
@@ -845,7 +850,7 @@ class SGLangEngine:
       with engine._lock:
         rid = engine._by_request.get(request_id)
       if rid is not None:
-        if engine._syncing:
+        if engine._paused:
           engine._abort_after_pause.add(rid)
         await asyncio.wrap_future(self.group.io.submit(
             engine._admin("POST", "/abort_request", abort_body(rid))))
@@ -873,6 +878,7 @@ class SGLangEngine:
   async def _sync_from_disk_once(self, model_path: str, weight_version: str) -> float:
     t0 = time.perf_counter()
     await self._admin("POST", "/pause_generation", pause_body(self.config.pause_mode))
+    self._paused += 1
     try:
       status, reply, raw = await self._admin(
           "POST", "/update_weights_from_disk", update_weights_body(model_path, weight_version),
@@ -882,12 +888,16 @@ class SGLangEngine:
         raise ServerRequestError(f"{self.url}/update_weights_from_disk {model_path}: {msg}",
                                  status)
     finally:
-      await self._admin("POST", "/continue_generation", continue_body())
+      try:
+        await self._admin("POST", "/continue_generation", continue_body())
+      finally:
+        self._paused -= 1
       # SGLang drops an abort for a request held at its pause gate (its scheduler does
       # not have it yet), and the request then runs to the end once generation goes on.
-      again, self._abort_after_pause = self._abort_after_pause, set()
-      for rid in again:
-        asyncio.ensure_future(self._abort_quietly(rid))
+      if not self._paused:
+        again, self._abort_after_pause = self._abort_after_pause, set()
+        for rid in again:
+          asyncio.ensure_future(self._abort_quietly(rid, again=False))
     info = await self._check_model()
     if info.get("weight_version") != str(weight_version):
       raise SGLangError(f"{self.url}: /model_info reports weight_version "

@@ -151,6 +151,8 @@ class FakeServer:
       while not self.stopping:
         await asyncio.sleep(0.05)
     out = self.generate(body)
+    if asyncio.iscoroutine(out):   # a reply that takes a while, others served meanwhile
+      out = await out
     if out == "drop":
       request.transport.abort()
       await asyncio.sleep(0.05)
@@ -560,9 +562,9 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
   fake.update_delay = 0.5
   [eng] = se.connect([fake.url], config=FAST)
   try:
-    eng._syncing += 1            # as during _sync_from_disk
+    eng._paused += 1             # as between _sync_from_disk's pause and continue
     eng.group.io.call(eng._abort_quietly("r-1"), 10)
-    eng._syncing -= 1
+    eng._paused -= 1
     se.update_weights_from_disk([eng], "/ckpt/v1", "v1")
     deadline = time.monotonic() + 5
     while sum(r == "/abort_request" for r, _ in fake.calls) < 2:
@@ -571,7 +573,11 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
     routes = [r for r, _ in fake.calls]
     last_abort = max(i for i, r in enumerate(routes) if r == "/abort_request")
     assert routes.index("/continue_generation") < last_abort
+    # Once only: the re-sent abort is not queued again for the next update.
+    se.update_weights_from_disk([eng], "/ckpt/v2", "v2")
+    time.sleep(0.2)
     assert [b for r, b in fake.calls if r == "/abort_request"] == [{"rid": "r-1"}] * 2
+    assert not eng._abort_after_pause
   finally:
     eng.stop()
 
@@ -579,3 +585,33 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
 def test_in_place_pauses_are_refused_for_weight_updates():
   with pytest.raises(ValueError, match="in_place cannot be followed by a weight update"):
     se.ClientConfig(pause_mode="in_place")
+
+
+def test_one_failing_request_leaves_the_servers_other_requests_running(fakes):
+  """A request whose connection keeps dropping takes its server out of rotation, but the
+  server's other requests, still running fine, are not cut off and re-sent (minutes of
+  GPU work each at 14B); only a server silent as a whole (/v1/loads) loses them."""
+  async def long(body):
+    await asyncio.sleep(1.0)
+    return good_reply(body)
+
+  def on_a(body):
+    return "drop" if body["rid"].startswith("bad") else long(body)
+  a, b = fakes(on_a), fakes()
+  ea, eb = se.connect([a.url, b.url], config=dataclasses.replace(FAST, probe_interval_s=5.0))
+  try:
+    async def go():
+      longs = [asyncio.ensure_future(ea.generate(GenerationRequest(
+          input_ids=[1, 2, 3], max_new_tokens=8, seed=i, request_id=f"long{i}")))
+          for i in range(3)]
+      await asyncio.sleep(0.1)
+      bad = await ea.generate(GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=8,
+                                                request_id="bad"))
+      return bad, await asyncio.gather(*longs)
+    bad, longs = run(go())
+    assert bad.server == b.url and not ea.alive
+    assert [o.server for o in longs] == [a.url] * 3
+    assert sum(body["rid"].startswith("long") for r, body in a.calls if r == "/generate") == 3
+  finally:
+    ea.stop()
+    eb.stop()
