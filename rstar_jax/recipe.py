@@ -477,13 +477,26 @@ def _model_made(ctx: Context, before: str | None = None) -> list:
           ctx.config.model.hf_dir]
 
 
+def _dir_stamp(path: str) -> list:
+  """Names, sizes and modification times of a checkpoint directory's files: an export
+  written again in place (another model under the same path) stamps differently."""
+  if not path or not os.path.isdir(path):
+    return []
+  return sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in os.scandir(path)
+                if e.is_file() and e.name.endswith((".json", ".safetensors")))
+
+
 def _evaluate(ctx: Context, engines, name: str, source: str):
   e = ctx.config.eval
   # An evaluation killed part-way resumes from its journal if the model and the settings
   # are the ones it was written with (hours at 14B).
   journal = os.path.join(ctx.workdir, f"eval_{name}.journal.jsonl")
-  key = {"name": name, "source": source, "model": _model_made(ctx), "seed": ctx.config.seed,
-         "eval": dataclasses.asdict(e)}
+  made = _model_made(ctx)
+  weights = source or (os.path.join(ctx.workdir, made[0], "export") if made[0] else "")
+  # Of the tools, what a result depends on (not where the servers are, nor how many).
+  tools = [ctx.config.tools.backend, ctx.config.tools.timeout_s]
+  key = {"name": name, "source": source, "model": made, "weights": _dir_stamp(weights),
+         "seed": ctx.config.seed, "eval": dataclasses.asdict(e), "tools": tools}
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),

@@ -9,6 +9,7 @@ an evaluation. The same stream always gives the same rollouts.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import dataclasses
@@ -60,8 +61,14 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   in it. Each trajectory keeps its own seed, so the result equals an uninterrupted run."""
   items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
   seeds = trajectory_seeds(stream, len(items))
-  header = {"journal": 1, "key": journal_key, "stream": [int(x) for x in stream], "k": k,
-            "items": _items_digest(items)}
+  header = None
+  if journal:
+    # The prompts as the model sees them (system prompt, template, tokenizer) and the
+    # agent's budgets decide the trajectories too, whatever the caller's key says.
+    header = {"journal": 2, "key": journal_key, "stream": [int(x) for x in stream], "k": k,
+              "items": _digest(items),
+              "prompts": _digest(proto.prompt_ids(p.problem) for p in problems),
+              "agent": dataclasses.asdict(agent)}
   done = _read_journal(journal, header) if journal else {}
   todo = [i for i in range(len(items)) if i not in done]
   if done:
@@ -74,9 +81,12 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   log = _JournalWriter(journal, header, resume=bool(done)) if journal else None
   index_of = {items[i][0]: i for i in todo}
 
-  def finished(t: agent_loop.Trajectory) -> None:
+  def journaled(t: agent_loop.Trajectory) -> None:
     if log is not None and not t.failed:
       log.write(index_of[t.uid], t)
+
+  def finished(t: agent_loop.Trajectory) -> None:
+    journaled(t)
     if bar is not None:
       bar.update(1)
   try:
@@ -90,8 +100,10 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
     if again:
       logging.warning("%s: %d of %d trajectories failed (first: %s %s); running them again",
                       desc, len(again), len(trajs), trajs[again[0]].uid, trajs[again[0]].error)
+      index_of = {items[i][0]: i for i in again}
       retried = run_sync(agent_loop.run_many(engine, tools, proto, [items[i] for i in again],
-                                             agent, seeds=[seeds[i] for i in again]))
+                                             agent, seeds=[seeds[i] for i in again],
+                                             progress=journaled))
       for i, t in zip(again, retried):
         trajs[i] = t
   finally:
@@ -110,15 +122,60 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   return groups
 
 
-def _items_digest(items: Sequence[tuple[str, str]]) -> str:
+def _digest(parts) -> str:
   h = hashlib.sha1()
-  for uid, problem in items:
-    h.update(repr((uid, problem)).encode("utf-8"))
+  for part in parts:
+    h.update(repr(part).encode("utf-8"))
   return h.hexdigest()[:16]
+
+
+# A journal line holds what evaluation and the stage-3 filter use, compactly (the filter
+# journals 8 rollouts of every training problem: tens of GB as plain JSON lists at 14B):
+# token ids as base64 int32, the mask as run lengths, no log-probs.
+def _pack_ids(ids) -> str:
+  return base64.b64encode(np.asarray(ids, np.int32).tobytes()).decode("ascii")
+
+
+def _unpack_ids(text: str) -> list[int]:
+  return np.frombuffer(base64.b64decode(text), np.int32).tolist()
+
+
+def _runs(mask) -> list[int]:
+  """Run lengths of a 0/1 mask, the first run of ones (possibly empty)."""
+  runs, value, n = [], 1, 0
+  for m in mask:
+    if m == value:
+      n += 1
+    else:
+      runs.append(n)
+      value, n = m, 1
+  runs.append(n)
+  return runs
+
+
+def _unruns(runs) -> list[int]:
+  out = []
+  for j, n in enumerate(runs):
+    out += [1 - j % 2] * n
+  return out
+
+
+def _journal_record(i: int, t: agent_loop.Trajectory) -> dict:
+  d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
+  # Not dataclasses.asdict: it rebuilds a Counter from (key, count) pairs, counting pairs.
+  d["tool_statuses"] = dict(t.tool_statuses)
+  d["prompt_ids"] = _pack_ids(t.prompt_ids)
+  d["response_ids"] = _pack_ids(t.response_ids)
+  d["response_mask"] = _runs(t.response_mask)
+  del d["response_logprobs"]
+  return {"i": i, "t": d}
 
 
 def _trajectory_from(d: dict) -> agent_loop.Trajectory:
   d = dict(d)
+  d["prompt_ids"] = _unpack_ids(d["prompt_ids"])
+  d["response_ids"] = _unpack_ids(d["response_ids"])
+  d["response_mask"] = _unruns(d["response_mask"])
   d["turns"] = [tuple(x) for x in d.get("turns", ())]
   d["tool_statuses"] = collections.Counter(d.get("tool_statuses", {}))
   return agent_loop.Trajectory(**d)
@@ -127,25 +184,25 @@ def _trajectory_from(d: dict) -> agent_loop.Trajectory:
 def _read_journal(path: str, header: dict) -> dict[int, agent_loop.Trajectory]:
   """The journal's trajectories by item index, if it was written for `header`; a
   journal of anything else (another model, other settings) is not used. A line cut off
-  by a kill ends the usable part."""
+  by a kill ends the usable part. Resumed trajectories carry no log-probs."""
+  done = {}
   try:
     with open(path) as f:
-      lines = f.read().split("\n")
+      try:
+        if json.loads(f.readline()) != json.loads(json.dumps(header, default=str)):
+          logging.warning("%s was written for another model or other settings; not used",
+                          path)
+          return {}
+      except ValueError:
+        return {}
+      for line in f:       # line by line: the filter's journal is large
+        try:
+          rec = json.loads(line)
+          done[int(rec["i"])] = _trajectory_from(rec["t"])
+        except (ValueError, KeyError, TypeError):
+          break
   except OSError:
     return {}
-  try:
-    if json.loads(lines[0]) != json.loads(json.dumps(header, default=str)):
-      logging.warning("%s was written for another model or other settings; not used", path)
-      return {}
-  except ValueError:
-    return {}
-  done = {}
-  for line in lines[1:]:
-    try:
-      rec = json.loads(line)
-      done[int(rec["i"])] = _trajectory_from(rec["t"])
-    except (ValueError, KeyError, TypeError):
-      break
   return done
 
 
@@ -165,16 +222,17 @@ class _JournalWriter:
   @staticmethod
   def _cut_torn_tail(path: str) -> None:
     with open(path, "rb+") as f:
-      data = f.read()
-      end = data.rfind(b"\n") + 1
-      if end < len(data):
+      f.seek(0, os.SEEK_END)
+      size = f.tell()
+      back = min(size, 1 << 26)          # a line is far shorter than 64 MB
+      f.seek(size - back)
+      tail = f.read()
+      end = size - back + tail.rfind(b"\n") + 1
+      if end < size:
         f.truncate(end)
 
   def write(self, i: int, t: agent_loop.Trajectory) -> None:
-    # Not dataclasses.asdict: it rebuilds a Counter from (key, count) pairs, counting pairs.
-    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
-    d["tool_statuses"] = dict(t.tool_statuses)
-    self._f.write(json.dumps({"i": i, "t": d}) + "\n")
+    self._f.write(json.dumps(_journal_record(i, t)) + "\n")
     self._f.flush()
 
   def close(self) -> None:

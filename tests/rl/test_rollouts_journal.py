@@ -1,6 +1,7 @@
 """rl.rollouts.collect with a journal: a collection killed part-way (an evaluation, the
 stage-3 filter: hours at 14B) resumes with what it had finished and ends with exactly
 the trajectories of an uninterrupted run."""
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from experiments.configs import toy
 from rstar_jax import recipe
 from rstar_jax.rl import rollouts
-from rstar_jax.rollout import backends
+from rstar_jax.rollout import backends, chat
 
 
 class _Tools:
@@ -56,9 +57,11 @@ def _collect(parts, engine, **kw):
 
 
 def _flat(groups):
-  return [(t.uid, t.prompt_ids, t.response_ids, t.response_mask, t.response_logprobs,
-           t.turns, dict(t.tool_statuses), t.num_tool_calls, t.weight_versions, t.reward,
-           t.finish_reason, t.meta) for g in groups for t in g]
+  # Every field but the log-probs, which a journal does not keep (evaluation and the
+  # stage-3 filter do not use them).
+  return [(t.uid, t.prompt_ids, t.response_ids, t.response_mask, t.turns,
+           dict(t.tool_statuses), t.num_tool_calls, t.num_tool_errors, t.weight_versions,
+           t.reward, t.finish_reason, t.answer_tags, t.meta) for g in groups for t in g]
 
 
 def test_a_killed_collection_resumes_from_its_journal(parts, tmp_path):
@@ -79,7 +82,30 @@ def test_a_killed_collection_resumes_from_its_journal(parts, tmp_path):
   with open(journal) as f:
     assert all(json.loads(line) for line in f.read().splitlines())   # the torn line is gone
 
-  # Written for another model: not used, all run again.
+  # Written for another model, or with another prompt: not used, all run again.
   other = _Dies(parts[2])
   assert _flat(_collect(parts, other, journal=journal, journal_key={"model": "b"})) == reference
   assert other.started == 18
+  cfg, ctx, pool = parts
+  reworded = chat.ChatProtocol(ctx.tokenizer, dataclasses.replace(
+      cfg.chat, system_prompt="Another system prompt."))
+  other = _Dies(pool)
+  rollouts.collect(other, ctx.tools, reworded, ctx.tokenizer, ctx.train_problems[:6], k=3,
+                   agent=cfg.stage1.agent, stream=(0, rollouts.EVAL, 7), journal=journal,
+                   journal_key={"model": "b"})
+  assert other.started == 18
+
+
+def test_a_journal_line_keeps_what_evaluation_reads():
+  from rstar_jax.rollout.agent_loop import Trajectory
+  t = Trajectory(uid="p#1", prompt_ids=[5, 2**31 - 1], response_ids=[1, 2, 3, 4, 5, 6],
+                 response_mask=[1, 1, 0, 0, 1, 1], response_logprobs=[-0.1] * 6,
+                 turns=[(0, 2), (4, 6)], num_tool_calls=1, finish_reason="stop",
+                 weight_versions=["v1"], error="")
+  t.tool_statuses["ok"] += 1
+  back = rollouts._trajectory_from(json.loads(json.dumps(rollouts._journal_record(3, t)))["t"])
+  assert back.response_logprobs == []
+  back.response_logprobs = t.response_logprobs
+  assert back == t
+  for mask in ([], [0], [1], [0, 0, 1], [1, 0, 1, 0]):
+    assert rollouts._unruns(rollouts._runs(mask)) == mask
