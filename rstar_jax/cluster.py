@@ -52,7 +52,8 @@ class ClusterConfig:
       that keeps crashing at start); restarts further apart than that never add up.
     hang_timeout_s: a server whose /health has not answered for this long is killed and
       restarted like one that exited (0: never). Keep it above a weight update's
-      length: SGLang's /health can stall while it loads a checkpoint.
+      length: SGLang's /health generates a token, which waits while it loads a checkpoint
+      (28 GB at 14B, read by every server at once from shared storage).
     log_dir: every process's log (`<role><i>.log`).
     startup_timeout_s: how long a server may take to answer /health.
     forward_env: variables of the launching shell passed to every server and trainer
@@ -77,7 +78,7 @@ class ClusterConfig:
   trainer_args: tuple[str, ...] = ()
   max_restarts: int = 3
   restart_window_s: float = 3600.0
-  hang_timeout_s: float = 900.0
+  hang_timeout_s: float = 1800.0
   log_dir: str = "/tmp/rstar_cluster"
   startup_timeout_s: float = 300.0
   forward_env: tuple[str, ...] = ("SANDBOX_ALLOW_WEAK_ISOLATION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
@@ -178,6 +179,9 @@ class ServerProcess:
       time.sleep(0.2)
     code = self.proc.poll()
     why = f"exited {code}" if code is not None else "timed out"
+    if code is None:   # not left running unwatched: the supervisor restarts it, or none
+      self.proc.kill()
+      self.proc.wait()
     raise RuntimeError(f"{self.role} server {self.index} at {self.url} did not become "
                        f"healthy ({why}); log tail:\n{self.log_tail()}")
 
@@ -197,7 +201,10 @@ class ServerProcess:
             self._note(f"{self.role}{self.index} has not answered /health for "
                        f"{now - answered:.0f} s; killed")
             self.proc.kill()
-            self.proc.wait()
+            try:
+              self.proc.wait(60)
+            except subprocess.TimeoutExpired:   # unkillable (D state): looked at again
+              pass
         continue
       while self._recent and now - self._recent[0] > cfg.restart_window_s:
         self._recent.popleft()

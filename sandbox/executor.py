@@ -51,7 +51,7 @@ def _memfd(name: str, data: bytes) -> int:
 class _Job:
   __slots__ = ("id", "timeout", "fut", "bufs", "fds", "record", "exit", "timed_out", "exceeded",
                "kill_sent", "kill_id", "t0", "wall", "handles", "grace", "session", "finished",
-               "started", "not_started")
+               "started", "not_started", "start_late", "start_handle")
 
   def __init__(self, job_id: int, timeout: float, fut: asyncio.Future):
     self.id = job_id
@@ -73,6 +73,8 @@ class _Job:
     self.finished = False
     self.started = False       # a child took it (one-shot calls; sessions run at once)
     self.not_started = False   # no child took it within start_timeout
+    self.start_late = False    # a child took it as that limit's kill was sent
+    self.start_handle: asyncio.TimerHandle | None = None
 
 
 class _Session:
@@ -327,10 +329,18 @@ class Executor:
     if job is None or job.started or job.finished:
       return
     job.started = True
+    if job.not_started:
+      # The start limit's kill crossed this event: it ran, briefly. Said so, not "did
+      # not run".
+      job.not_started, job.start_late = False, True
+      return
     job.t0 = time.monotonic()   # wall time counts from here, as the deadline does
-    for h in job.handles:
-      h.cancel()
-    job.handles = [asyncio.get_running_loop().call_later(job.timeout, self._on_deadline, job)]
+    # Only the start limit goes: a grace timer may be set already (the call's record and
+    # pipes can be read before this datagram).
+    if job.start_handle is not None:
+      job.start_handle.cancel()
+    job.handles.append(asyncio.get_running_loop().call_later(job.timeout, self._on_deadline,
+                                                             job))
 
   def _on_no_start(self, job: _Job) -> None:
     if not job.finished and not job.started:
@@ -543,7 +553,8 @@ class Executor:
         job.started = True
         job.handles.append(loop.call_later(timeout, self._on_deadline, job))
       else:   # the deadline starts with the worker's "started"; this only bounds the wait
-        job.handles.append(loop.call_later(self.config.start_timeout, self._on_no_start, job))
+        job.start_handle = loop.call_later(self.config.start_timeout, self._on_no_start, job)
+        job.handles.append(job.start_handle)
     try:
       await job.fut
     except asyncio.CancelledError:
@@ -669,10 +680,12 @@ class Executor:
     r.cpu_time = round(r.cpu_time, 6)
     if ex and "internal" in ex:
       r.status, r.error_type, r.error_message = "internal_error", "SandboxError", ex["internal"]
-    elif job.not_started:
+    elif job.not_started or job.start_late:
       r.status, r.error_type = "internal_error", "SandboxError"
       r.error_message = (f"no sandbox process took the call within start_timeout="
-                         f"{self.config.start_timeout:g} s; it did not run")
+                         f"{self.config.start_timeout:g} s; " +
+                         ("it did not run" if job.not_started else
+                          "it was killed as it started (it may have run in part)"))
     elif job.exceeded is not None:
       stream = "stdout" if job.exceeded == "out" else "stderr"
       r.status, r.error_type = "output_exceeded", "OutputLimitExceeded"

@@ -180,6 +180,7 @@ class RLTrainer:
   def _sync_weights(self, step: int | None = None) -> None:
     """Engines generate with the current parameters, named by the step they follow."""
     version = self.weight_version(step)
+    self.version = None          # a sync that fails is tried again at the next step
     self.engines.update_weights(self.state.params, version)
     self.version = version       # only once the engines hold it
 

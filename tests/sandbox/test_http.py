@@ -303,3 +303,25 @@ def test_a_call_no_process_takes_fails_unrun_after_start_timeout():
     assert r["stdout"] == ""
     _, again = post(u, "/execute", {"calls": [{"code": "print(2)"}]})   # still serving
     assert again["results"][0]["stdout"] == "2\n", again
+
+
+def test_a_started_event_read_after_the_calls_end_keeps_its_grace_timer():
+  """The worker's "started" datagram and the call's own pipes are separate fds: a fast
+  call's record and EOFs can be read first, setting the short grace timer that ends it.
+  The late "started" must only drop the start limit; it had cancelled every timer and
+  armed the full deadline, so the finished call waited out its timeout as a timeout."""
+  import asyncio
+  from sandbox import executor
+  from sandbox.config import ExecutorConfig
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    ex = executor.Executor(ExecutorConfig())
+    job = executor._Job(1, 30.0, loop.create_future())
+    job.start_handle = loop.call_later(100.0, ex._on_no_start, job)
+    job.handles += [job.start_handle, loop.call_later(0.05, ex._finish, job)]   # the grace
+    ex._jobs[1] = job
+    ex._on_started({"ev": "started", "id": 1})
+    await asyncio.wait_for(job.fut, 5)
+    assert job.finished and not job.timed_out and job.start_handle.cancelled()
+  asyncio.run(main())
