@@ -152,9 +152,51 @@ def resolved_json(cfg: RecipeConfig) -> str:
 def _done(workdir: str, stage: str) -> dict | None:
   path = os.path.join(workdir, stage, "DONE.json")
   if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
+    try:
+      with open(path) as f:
+        done = json.load(f)
+    except ValueError as e:   # written atomically by us: a hand-made or damaged file
+      raise config_utils.ConfigError(f"{path} is not a JSON object ({e}); remove it to run "
+                                     f"stage {stage} again") from None
+    if not isinstance(done, dict):
+      raise config_utils.ConfigError(f"{path} is not a JSON object; remove it to run stage "
+                                     f"{stage} again")
+    return done
   return None
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Process 0 holds `<workdir>/.lock` for the run: a second run on the same directory
+  (a command started twice, a requeued job overlapping the old one) is refused, on
+  every process. Both ran side by side before, cutting and appending each other's
+  metrics rows and saving the same checkpoint steps from different trajectories."""
+  import fcntl
+  import socket
+  f, refused = None, None
+  if distributed.is_main():
+    f = open(os.path.join(workdir, ".lock"), "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      f.seek(0)
+      f.truncate()
+      f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+      f.flush()
+    except OSError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      f = None
+      refused = (f"{workdir} is in use by {holder} (another run of this recipe); wait for it "
+                 f"to end, stop it, or give this run another config.workdir")
+  refused = distributed.share_from_main(refused)
+  if refused:
+    raise config_utils.ConfigError(refused)
+  try:
+    yield
+  finally:
+    if f is not None:
+      f.close()   # the lock goes with the descriptor (and with the process, if killed)
 
 
 def _started(workdir: str, stage: str) -> bool:
@@ -359,8 +401,9 @@ def run_sft(ctx: Context, model):
   finally:
     trainer.close()
   export(ctx, model, "sft")
+  last = history[-1] if history else _last_row(os.path.join(ctx.workdir, "sft", "metrics_sft.jsonl"))
   summary = {"steps": trainer.step, "packing": trainer.pack_stats,
-             "final_loss": history[-1]["sft/loss"] if history else None,
+             "final_loss": last.get("sft/loss"),
              "heldout_nll": trainer.heldout_loss()}
   _mark_done(ctx.workdir, "sft", summary)
   return model
@@ -397,6 +440,23 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
   uids = distributed.on_main(lambda: _unsolved(ctx, engines, stage_cfg, cache, made_with),
                              f"{stage}: filtering the hard subset")
   return [by_uid[u] for u in uids]
+
+
+def _last_row(path: str) -> dict:
+  """The last whole row of a metrics JSONL file ({} if none)."""
+  try:
+    with open(path) as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return {}
+  for line in reversed(lines):
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict):
+      return row
+  return {}
 
 
 def _read_json(path: str) -> dict | None:
@@ -450,14 +510,22 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
                                  mesh=ctx.mesh, rules=ctx.rules)
   try:
     if not trainer.maybe_restore() and prev_stage and not sc.reset_optimizer:
-      if trainer.carry_over_from(os.path.join(ctx.workdir, prev_stage, "checkpoints")):
+      ckpts = os.path.join(ctx.workdir, prev_stage, "checkpoints")
+      if trainer.carry_over_from(ckpts):
         logging.info("%s: carried the optimizer state over from %s", stage, prev_stage)
+      elif (_done(ctx.workdir, prev_stage) or {}).get("steps"):
+        # Said, not skipped: a fresh Adam (warm-up again) is another run than the recipe's.
+        raise config_utils.ConfigError(
+            f"{stage}: {prev_stage} trained, but {ckpts} holds no checkpoint to carry its "
+            f"optimizer state (Adam moments) over from (removed to save space?); put it back, "
+            f"or set --config.{stage}.reset_optimizer=True to start with a fresh optimizer")
     history = trainer.run(sc.num_steps)
     model = trainer.model()
   finally:
     trainer.close()
   export(ctx, model, stage)
-  last = history[-1] if history else {}
+  # Resumed at its last step, the stage ran none here: its last metrics row says how it ended.
+  last = history[-1] if history else _last_row(os.path.join(ctx.workdir, stage, "metrics_rl.jsonl"))
   _mark_done(ctx.workdir, stage, {"steps": trainer.step, "problems": len(problems),
                                   **{k: v for k, v in last.items() if k.startswith("rollout/")}})
   return model
@@ -634,6 +702,11 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
                                    "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
+  with workdir_lock(_make_workdir(cfg.workdir)):
+    return _run_locked(cfg, stages)
+
+
+def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, Any]:
   workdir, config_path = check_workdir(cfg)
   if distributed.is_main():
     print(f"config ({config_path}):\n{resolved_json(cfg)}")
@@ -741,7 +814,7 @@ def evaluate_hf_dir(config, hf_dir: str):
         f"--hf_dir {hf_dir} has no tokenizer.json, and config.tokenizer.kind='toy' would "
         "train a new tokenizer that does not match it; set --config.tokenizer.kind=hf "
         "--config.tokenizer.path=DIR")
-  with _tools(cfg) as tools:
+  with workdir_lock(workdir), _tools(cfg) as tools:
     ctx = build_context(cfg, tools, workdir, tokenizer=tok)
     model = hf_io.load_hf(hf_dir, mesh=ctx.mesh, rules=ctx.rules, **runtime_overrides(cfg))
     try:

@@ -524,3 +524,33 @@ def test_config_files_without_variants_or_get_config_are_config_errors(tmp_path)
   (tmp_path / "broken.py").write_text("import not_a_module_here\n")
   with pytest.raises(config_utils.ConfigError, match="cannot import it"):
     config_utils._load_config_file(str(tmp_path / "broken.py"))
+
+
+def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(recipe_dir,
+                                                                                tmp_path):
+  """Three resume edges, on a copy of the smoke run: (1) a second run on a workdir in
+  use is refused (two ran side by side, mixing metrics rows and checkpoints); (2) a stage
+  resumed at its last step writes DONE.json with its final rollout stats (they were
+  empty: no step ran here); (3) a stage whose predecessor trained but left no checkpoint
+  is refused instead of starting with a fresh Adam without a word."""
+  from rstar_jax import recipe
+  d = str(tmp_path / "copy")
+  shutil.copytree(recipe_dir[0], d, ignore=shutil.ignore_patterns("compile_cache"))
+  with recipe.workdir_lock(d):
+    out = _run(d, "--config.stage1.num_steps=2", "--stages=stage1", check=False)
+  assert out.returncode == 2 and f"{d} is in use by pid {os.getpid()}" in out.stderr, out.stderr
+
+  done = os.path.join(d, "stage1", "DONE.json")
+  before = json.load(open(done))
+  os.remove(done)
+  _run(d, "--config.stage1.num_steps=2", "--stages=stage1")
+  after = json.load(open(done))
+  assert after == before and any(k.startswith("rollout/") for k in after), after
+
+  shutil.rmtree(os.path.join(d, "stage1", "checkpoints"))
+  out = _run(d, "--config.stage1.num_steps=2", "--config.stage2.num_steps=1",
+             "--config.allow_config_change=True", "--stages=stage2", check=False)
+  assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "holds no checkpoint to carry its optimizer state" in out.stderr
+  assert "--config.stage2.reset_optimizer=True" in out.stderr
+  assert not os.path.exists(os.path.join(d, "stage1", "checkpoints"))   # not made empty

@@ -133,6 +133,7 @@ class RLTrainer:
     # reload on every server (minutes at 14B).
     self.version: str | None = None
     self._state_ok = True     # False while a donated state is inside the jitted step
+    self._unwritten: tuple[int, dict] | None = None   # a finished step's row, not yet written
     self.last_trajectories: list[agent_loop.Trajectory] = []
 
   # ---- checkpoints -------------------------------------------------------------
@@ -152,6 +153,8 @@ class RLTrainer:
   def carry_over_from(self, checkpoint_dir: str) -> bool:
     """Starts from another stage's last parameters AND optimizer state (Adam moments),
     with this stage's own step count and data order. False if it has no checkpoint."""
+    if not os.path.isdir(checkpoint_dir):   # not created here (the Checkpointer would)
+      return False
     other = ckpt_lib.Checkpointer(checkpoint_dir)
     try:
       if other.latest_step() is None:
@@ -293,13 +296,19 @@ class RLTrainer:
     self.state = new_state
     self.step += 1
     self._state_ok = True
-    self._sync_weights(self.step)
-    metrics.update(getattr(self.engines, "sync_metrics", dict)())
     metrics.update({f"train/{k}": float(v) for k, v in m.items()})
     metrics["train/learning_rate"] = optim.applied_learning_rate(
         config.optimizer, distributed.host_value(optim.schedule_count(self.state.opt_state)))
     metrics["time/train_s"] = time.perf_counter() - t1
     metrics["update/skipped"] = 0.0
+    try:
+      self._sync_weights(self.step)
+    except BaseException:
+      # The step is done (its checkpoint is saved on the way out): its row is written
+      # too, or a resume would go on from the next step without it.
+      self._unwritten = (self.step, metrics)
+      raise
+    metrics.update(getattr(self.engines, "sync_metrics", dict)())
     return metrics
 
   # ---- the loop --------------------------------------------------------------------
@@ -315,6 +324,10 @@ class RLTrainer:
     try:
       with interrupt.StopRequests() as stop:
         while self.step < num_steps:
+          # Before every step, the first included: a signal during set-up (a restore, the
+          # stage-3 filter) must not wait for a whole step (process 0 decides for all).
+          if distributed.share_from_main(stop.requested):
+            raise interrupt.Interrupted(stop.signum, self.step)
           m = self.run_step()
           self.writer.write(self.step, m)
           history.append(m)
@@ -327,14 +340,12 @@ class RLTrainer:
             on_step(self.step, m)
           if self.step % self.config.checkpoint_every == 0:
             self.save()
-          # Process 0's view of a signal decides for all: every process must stop at
-          # the same step, or the others would wait in the next step's collectives.
-          if distributed.share_from_main(stop.requested) and self.step < num_steps:
-            self.save()
-            raise interrupt.Interrupted(stop.signum, self.step)
     finally:
       if bar is not None:
         bar.close()
+      if self._unwritten is not None:
+        self.writer.write(*self._unwritten)
+        self._unwritten = None
       # At any exit with a consistent state (an abort during rollouts too), so nothing
       # finished is lost; never a state the jitted step had donated.
       if self._state_ok and self.step > 0:

@@ -141,32 +141,41 @@ class SFTTrainer:
     On SIGINT / SIGTERM: finishes the step, saves, raises `interrupt.Interrupted`."""
     from tqdm import tqdm
     history = []
-    with tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
-              disable=not progress or not distributed.is_main()) as bar, \
-        interrupt.StopRequests() as stop:
-      while self.step < self.total_steps:
-        idx = self._batch_indices(self.step)
-        batch = {k: v[idx] for k, v in self.rows.items()}
-        self.state, m = self.step_fn(self.state, batch)
-        m = {f"sft/{k}": float(distributed.host_value(v)) for k, v in m.items()}
-        if not math.isfinite(m["sft/loss"]):
-          raise FloatingPointError(f"SFT step {self.step}: non-finite loss")
-        m["sft/learning_rate"] = float(optim.make_schedule(self.opt_cfg)(self.step))
-        self.step += 1
-        if self.step % self.cfg.eval_every == 0 or self.step == self.total_steps:
-          m["sft/heldout_nll"] = self.heldout_loss()
-        self.writer.write(self.step, {k: v for k, v in m.items() if v is not None})
-        history.append(m)
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
-        if on_step is not None:
-          on_step(self.step, m)
-        stopping = distributed.share_from_main(stop.requested)   # the same step everywhere
-        if self.step % self.cfg.checkpoint_every == 0 or stopping:
-          self.save()
-        if stopping and self.step < self.total_steps:
-          raise interrupt.Interrupted(stop.signum, self.step)
-    self.save()
+    state_ok = True      # False while the jitted step holds the donated state
+    try:
+      with tqdm(total=self.total_steps, initial=self.step, desc="SFT", unit="step",
+                disable=not progress or not distributed.is_main()) as bar, \
+          interrupt.StopRequests() as stop:
+        while self.step < self.total_steps:
+          # Before every step, the first included: a signal during set-up must not wait
+          # for a step (process 0 decides for all).
+          if distributed.share_from_main(stop.requested):
+            raise interrupt.Interrupted(stop.signum, self.step)
+          idx = self._batch_indices(self.step)
+          batch = {k: v[idx] for k, v in self.rows.items()}
+          state_ok = False
+          new_state, m = self.step_fn(self.state, batch)
+          m = {f"sft/{k}": float(distributed.host_value(v)) for k, v in m.items()}
+          if not math.isfinite(m["sft/loss"]):
+            raise FloatingPointError(f"SFT step {self.step}: non-finite loss")
+          self.state, state_ok = new_state, True
+          m["sft/learning_rate"] = float(optim.make_schedule(self.opt_cfg)(self.step))
+          self.step += 1
+          if self.step % self.cfg.eval_every == 0 or self.step == self.total_steps:
+            m["sft/heldout_nll"] = self.heldout_loss()
+          self.writer.write(self.step, {k: v for k, v in m.items() if v is not None})
+          history.append(m)
+          bar.update(1)
+          bar.set_postfix(loss=f"{m['sft/loss']:.3f}")
+          if on_step is not None:
+            on_step(self.step, m)
+          if self.step % self.cfg.checkpoint_every == 0:
+            self.save()
+    finally:
+      # At any exit with a consistent state (a second Ctrl-C, an error), the last
+      # finished step is saved, as RL does: up to checkpoint_every - 1 steps were lost.
+      if state_ok and self.step > 0:
+        self.save()
     return history
 
   def save(self) -> None:

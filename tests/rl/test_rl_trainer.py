@@ -49,7 +49,9 @@ def parts(tmp_path_factory):
 
 
 def _trainer(parts, stage, log):
-  cfg, ctx, model, pool, root = parts
+  cfg, ctx, _, pool, root = parts
+  # A model of its own: a trainer's jitted step donates (deletes) the arrays it started from.
+  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   return rl_trainer.RLTrainer(cfg.rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
                               ctx.train_problems, engines=_Recording(pool, log), tools=ctx.tools,
                               workdir=str(root / stage), seed=0, mesh=ctx.mesh, rules=ctx.rules)
@@ -83,3 +85,50 @@ def test_engines_get_the_weights_once_at_the_first_step_and_after_each_update(pa
   relaunch = syncs[0].rsplit("-", 1)[1]
   assert relaunch != launch and syncs == [f"stage1-step1-{relaunch}", f"stage1-step2-{relaunch}"]
 
+
+
+class _FailsSync(_Recording):
+  def __init__(self, pool, log, fail_at):
+    super().__init__(pool, log)
+    self.fail_at = fail_at
+
+  def update_weights(self, params, version=None):
+    if len([1 for kind, _ in self.log if kind == "sync"]) + 1 == self.fail_at:
+      self.log.append(("sync failed", version))
+      raise OSError("the weight-sync disk is full")
+    super().update_weights(params, version)
+
+
+def test_a_failed_sync_after_an_update_keeps_the_steps_row_and_checkpoint(parts):
+  """The update is done when its sync fails: the step is saved (as before) and now its
+  metrics row is written too; a resume went on from the next step without it."""
+  import json
+  log = []
+  t = _trainer(parts, "stage_syncfail", log)
+  t.engines = _FailsSync(parts[3], log, fail_at=2)   # the sync after step 1's update
+  with pytest.raises(OSError, match="disk is full"):
+    t.run(2, progress=False)
+  t.close()
+  path = parts[4] / "stage_syncfail" / "metrics_rl.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1] and "train/loss" in rows[0]
+  again = _trainer(parts, "stage_syncfail", [])
+  assert again.maybe_restore() and again.step == 1
+  again.close()
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+
+
+def test_a_stop_requested_before_the_first_step_runs_none(parts):
+  """A signal during a stage's set-up (a restore, the stage-3 filter) stops it before
+  its first step; it ran a whole step first (minutes at 14B)."""
+  import os
+  import signal
+  from rstar_jax.train import interrupt
+  log = []
+  t = _trainer(parts, "stage_stop", log)
+  with interrupt.StopRequests():              # the recipe's, around the stage
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(interrupt.Interrupted, match="after step 0"):
+      t.run(2, progress=False)
+  t.close()
+  assert not [kind for kind, _ in log if kind == "generate"] and t.step == 0
