@@ -6,11 +6,14 @@ point and the benchmarks build their tokenizer and problems through these functi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 from typing import Sequence
 
 from absl import logging
 
+from rstar_jax import config_utils
 from rstar_jax.data import math_data, toy_task
 from rstar_jax.model import tokenizer as tokenizer_lib
 from rstar_jax.rollout import chat
@@ -48,11 +51,32 @@ def build_tokenizer(cfg: TokenizerConfig, workdir: str, *, seed: int
   if cfg.kind == "hf":
     return tokenizer_lib.Tokenizer.from_dir(cfg.path)
   path = os.path.join(workdir, "tokenizer")
+  made_with = {"vocab_size": cfg.vocab_size, "number_chunk": cfg.number_chunk, "seed": seed}
   if os.path.exists(os.path.join(path, "tokenizer.json")):
+    try:
+      with open(os.path.join(path, _MADE_WITH)) as f:
+        old = json.load(f)
+    except FileNotFoundError:
+      old = None   # trained before this was recorded
+    if old is not None and old != made_with:
+      # The workdir's toy tokenizer is reused by every later run; one trained with other
+      # settings would be used while config.json said otherwise.
+      raise config_utils.ConfigError(
+          f"{path} was trained with {old}, this run asks for {made_with}: keep the old "
+          f"settings, or remove {path} (and the stages trained with it)")
     return tokenizer_lib.Tokenizer.from_dir(path)
   tok = toy_task.train_toy_tokenizer(cfg.vocab_size, seed=seed, number_chunk=cfg.number_chunk)
-  tok.save(path)
+  tmp = f"{path}.tmp-{os.getpid()}"    # complete or absent: a kill mid-write left a torn one
+  shutil.rmtree(tmp, ignore_errors=True)
+  tok.save(tmp)
+  with open(os.path.join(tmp, _MADE_WITH), "w") as f:
+    json.dump(made_with, f)
+  shutil.rmtree(path, ignore_errors=True)    # a directory without tokenizer.json
+  os.replace(tmp, path)
   return tok
+
+
+_MADE_WITH = "made_with.json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

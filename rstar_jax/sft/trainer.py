@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from typing import Sequence
@@ -106,6 +107,15 @@ class SFTTrainer:
     self.writer = metrics_lib.MetricsWriter(workdir, "sft")
     self.step = 0
     self.pack_stats = pack_stats
+    # What a checkpoint's steps were taken over: the packed rows, the batch order's seed,
+    # the step count (the schedule's length). A resume over other data or settings would
+    # go on with another schedule and other batches, silently.
+    h = hashlib.sha1()
+    for k in sorted(self.rows):
+      h.update(k.encode())
+      h.update(np.ascontiguousarray(self.rows[k]).tobytes())
+    self.run_key = {"rows": h.hexdigest()[:16], "seed": seed, "total_steps": self.total_steps,
+                    "rows_per_step": cfg.rows_per_step}
 
   def _batch_indices(self, step: int) -> np.ndarray:
     n = len(self.rows["input_ids"])
@@ -131,6 +141,13 @@ class SFTTrainer:
       self.writer.truncate_after(0)   # rows of a run killed before its first checkpoint
       return False
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
+    saved = meta.get("run")   # None: a checkpoint from before it was recorded
+    if saved is not None and saved != self.run_key:
+      changed = ", ".join(f"{k}: {saved.get(k)} -> {v}" for k, v in self.run_key.items()
+                          if saved.get(k) != v)
+      raise ValueError(f"SFT checkpoint in {self.ckpt.directory} was made over other data or "
+                       f"settings ({changed}); resuming would change the run's batches and "
+                       f"schedule. Move that directory away to start SFT afresh")
     self.step = int(meta["step"])
     self.writer.truncate_after(self.step)
     logging.info("resumed SFT at step %d", self.step)
@@ -180,7 +197,7 @@ class SFTTrainer:
 
   def save(self) -> None:
     if self.ckpt.latest_step() != self.step:
-      self.ckpt.save(self.step, self.state, {"step": self.step})
+      self.ckpt.save(self.step, self.state, {"step": self.step, "run": self.run_key})
 
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)

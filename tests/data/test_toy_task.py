@@ -293,3 +293,21 @@ def test_copy_probe_masks_the_digits_of_the_code_and_of_the_answer(tok, proto):
     # copy of them), then the printed result, twice (restated, then boxed).
     assert code == re.sub(r"\D", "", expr), (p.problem, code)
     assert answer == str(p.answer) * 2, (p.problem, answer)
+
+
+def test_the_workdir_tokenizer_is_reused_only_with_the_settings_it_was_trained_with(tmp_path):
+  """A run stopped before its first checkpoint may change its config; the toy tokenizer it
+  had trained stayed in the workdir and was used under the new settings, config.json then
+  stating a vocabulary the run did not have."""
+  from rstar_jax.data import sources
+  cfg = sources.TokenizerConfig(kind="toy", vocab_size=600, number_chunk=3)
+  tok = sources.build_tokenizer(cfg, str(tmp_path), seed=0)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]   # no temporary left
+  again = sources.build_tokenizer(cfg, str(tmp_path), seed=0)
+  assert again.vocab_size == tok.vocab_size
+  bigger = sources.TokenizerConfig(kind="toy", vocab_size=900, number_chunk=3)
+  with pytest.raises(ValueError, match="was trained with .*'vocab_size': 600.* asks for "
+                                       ".*'vocab_size': 900"):
+    sources.build_tokenizer(bigger, str(tmp_path), seed=0)
+  with pytest.raises(ValueError, match="'seed': 0.*'seed': 1"):
+    sources.build_tokenizer(cfg, str(tmp_path), seed=1)

@@ -25,8 +25,9 @@ def parts(tmp_path_factory):
   return cfg, ctx, recipe.sft_pairs(ctx), root
 
 
-def _trainer(parts, name):
-  cfg, ctx, pairs, root = parts
+def _trainer(parts, name, pairs=None):
+  cfg, ctx, all_pairs, root = parts
+  pairs = all_pairs if pairs is None else pairs
   model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   sft = dataclasses.replace(cfg.sft, checkpoint_every=100)   # none periodic in this run
   return sft_trainer.SFTTrainer(sft, model, pairs, str(root / name), seed=0,
@@ -59,3 +60,20 @@ def test_a_stop_requested_before_the_first_step_runs_none(parts):
       t.run(progress=False)
   assert t.step == 0 and t.ckpt.latest_step() is None
   t.close()
+
+
+def test_a_resume_over_other_data_is_refused(parts):
+  """The data file replaced under the same path (the config unchanged): the resume
+  went on with another schedule length and other batches without a word."""
+  t = _trainer(parts, "data")
+
+  def stop(step, metrics):
+    if step == 2:
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    t.run(progress=False, on_step=stop)
+  t.close()
+  fewer = _trainer(parts, "data", pairs=parts[2][:len(parts[2]) * 2 // 3])
+  with pytest.raises(ValueError, match="made over other data or settings.*rows: "):
+    fewer.maybe_restore()
+  fewer.close()
