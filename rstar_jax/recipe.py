@@ -532,9 +532,38 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
+  # Done before with this model and these settings: its report, not hours of rollouts
+  # again (nor a weight sync).
+  done = distributed.on_main(lambda: _finished_eval(ctx, name, source),
+                             f"reading eval_{name}.json")
+  if done is not None:
+    return done
   engines = ctx.engines_for(model, f"eval-{name}")   # every process: a collective export
   return distributed.on_main(lambda: _evaluate(ctx, engines, name, source),
                              f"evaluation {name}")
+
+
+def _eval_key(ctx: Context, name: str, source: str) -> dict:
+  """What decides an evaluation's result: the model (its stage, steps and export files),
+  the eval settings, the seed, the tool timeout."""
+  made = _model_made(ctx)
+  weights = source or (os.path.join(ctx.workdir, made[0], "export") if made[0] else "")
+  # Of the tools, what a result depends on (not where the servers are, nor how many).
+  tools = [ctx.config.tools.backend, ctx.config.tools.timeout_s]
+  key = {"name": name, "source": source, "model": made, "weights": _dir_stamp(weights),
+         "seed": ctx.config.seed, "eval": dataclasses.asdict(ctx.config.eval), "tools": tools}
+  return json.loads(json.dumps(key, default=str))
+
+
+def _finished_eval(ctx: Context, name: str, source: str):
+  path = os.path.join(ctx.workdir, f"eval_{name}.json")
+  made = _read_json(path[:-len(".json")] + ".made_with.json")
+  if (made is None or made != _eval_key(ctx, name, source)
+      or not os.path.exists(path[:-len(".json")] + "_samples.jsonl")):
+    return None
+  print(f"eval {name}: already evaluated with this model and these settings ({path})")
+  with open(path) as f:
+    return eval_metrics.EvalReport.from_json(f.read())
 
 
 def _model_made(ctx: Context, before: str | None = None) -> list:
@@ -559,12 +588,7 @@ def _evaluate(ctx: Context, engines, name: str, source: str):
   # An evaluation killed part-way resumes from its journal if the model and the settings
   # are the ones it was written with (hours at 14B).
   journal = os.path.join(ctx.workdir, f"eval_{name}.journal.jsonl")
-  made = _model_made(ctx)
-  weights = source or (os.path.join(ctx.workdir, made[0], "export") if made[0] else "")
-  # Of the tools, what a result depends on (not where the servers are, nor how many).
-  tools = [ctx.config.tools.backend, ctx.config.tools.timeout_s]
-  key = {"name": name, "source": source, "model": made, "weights": _dir_stamp(weights),
-         "seed": ctx.config.seed, "eval": dataclasses.asdict(e), "tools": tools}
+  key = _eval_key(ctx, name, source)
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
                                     stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
@@ -578,6 +602,10 @@ def _evaluate(ctx: Context, engines, name: str, source: str):
     f.write(text)
   os.replace(path + ".tmp", path)
   eval_lib.write_samples(samples, trajs, ctx.eval_problems, ctx.tokenizer)
+  made_with = path[:-len(".json")] + ".made_with.json"
+  with open(made_with + ".tmp", "w") as f:
+    json.dump(key, f)
+  os.replace(made_with + ".tmp", made_with)
   os.remove(journal)   # the samples hold what it held
   return report
 

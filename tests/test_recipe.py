@@ -528,8 +528,9 @@ def test_config_files_without_variants_or_get_config_are_config_errors(tmp_path)
 
 def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(recipe_dir,
                                                                                 tmp_path):
-  """Three resume edges, on a copy of the smoke run: (1) a second run on a workdir in
-  use is refused (two ran side by side, mixing metrics rows and checkpoints); (2) a stage
+  """Resume edges, on a copy of the smoke run: (1) a second run on a workdir in use is
+  refused (two ran side by side, mixing metrics rows and checkpoints); a finished
+  evaluation is not run again (hours at 14B); (2) a stage
   resumed at its last step writes DONE.json with its final rollout stats (they were
   empty: no step ran here); (3) a stage whose predecessor trained but left no checkpoint
   is refused instead of starting with a fresh Adam without a word."""
@@ -539,6 +540,13 @@ def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(r
   with recipe.workdir_lock(d):
     out = _run(d, "--config.stage1.num_steps=2", "--stages=stage1", check=False)
   assert out.returncode == 2 and f"{d} is in use by pid {os.getpid()}" in out.stderr, out.stderr
+
+  # The final evaluation, done with this model and these settings: not run again.
+  report = open(os.path.join(d, "eval_final.json")).read()
+  log = _run(d, "--config.stage1.num_steps=2", "--stages=eval")
+  assert "eval final: already evaluated with this model and these settings" in log, log[-3000:]
+  assert open(os.path.join(d, "eval_final.json")).read() == report
+  assert not os.path.exists(os.path.join(d, "eval_final_1.json"))
 
   done = os.path.join(d, "stage1", "DONE.json")
   before = json.load(open(done))
