@@ -8,15 +8,8 @@ import re
 
 import pytest
 
-from experiments.configs import toy
 from rstar_jax import recipe
 from rstar_jax.rl import trainer as rl_trainer
-from rstar_jax.rollout import backends
-
-
-class _Tools:
-  async def execute(self, calls):
-    return [{"status": "ok", "stdout": "1\n", "stderr": ""} for _ in calls]
 
 
 class _Recording:
@@ -38,14 +31,8 @@ class _Recording:
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-  root = tmp_path_factory.mktemp("rl_trainer")
-  cfg = recipe.build_config(toy.get_config("smoke"))
-  ctx = recipe.build_context(cfg, _Tools(), workdir=str(root))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
-  pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
-  yield cfg, ctx, model, pool, root
-  pool.stop()
+def parts(smoke_rl):
+  return smoke_rl
 
 
 def _trainer(parts, stage, log):

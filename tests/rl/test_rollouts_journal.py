@@ -6,15 +6,8 @@ import json
 
 import pytest
 
-from experiments.configs import toy
-from rstar_jax import recipe
 from rstar_jax.rl import rollouts
-from rstar_jax.rollout import backends, chat
-
-
-class _Tools:
-  async def execute(self, calls):
-    return [{"status": "ok", "stdout": "1\n", "stderr": ""} for _ in calls]
+from rstar_jax.rollout import chat
 
 
 class _Killed(RuntimeError):
@@ -40,14 +33,9 @@ class _Dies:
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-  root = tmp_path_factory.mktemp("journal")
-  cfg = recipe.build_config(toy.get_config("smoke"))
-  ctx = recipe.build_context(cfg, _Tools(), workdir=str(root))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
-  pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
-  yield cfg, ctx, pool
-  pool.stop()
+def parts(smoke_rl):
+  cfg, ctx, _, pool, _ = smoke_rl
+  return cfg, ctx, pool
 
 
 def _collect(parts, engine, **kw):
