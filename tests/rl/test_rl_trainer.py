@@ -1,4 +1,5 @@
-"""rl.trainer.RLTrainer: when the engines get the trainer's weights, and under which name.
+"""rl.trainer.RLTrainer: when the engines get the trainer's weights and under which name;
+what a failed sync and an early stop leave behind.
 
 A weight sync is a full checkpoint write and a reload on every rollout server (minutes
 at 14B), so a launch must not publish parameters that a resume or a carry-over is about
