@@ -220,7 +220,12 @@ def _mark_done(workdir: str, stage: str, summary: dict) -> None:
 # a fleet's servers come up on new ports (or nodes) at every launch and requeue, and
 # the RL stages of a run whose SFT ran in-process go to servers (cluster_toy.py).
 _LAUNCH_KEYS = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
-                "distributed", "tools.urls", "rollout.servers", "rollout.backend")
+                "distributed", "tools.urls", "rollout.servers", "rollout.backend",
+                # How often a run saves and how many it keeps, and how the HTTP client
+                # waits and retries: nothing the run computes depends on them (and freeing
+                # disk mid-run should not need allow_config_change).
+                "rl.checkpoint_every", "rl.keep_checkpoints", "sft.checkpoint_every",
+                "sft.keep_checkpoints", "rollout.client")
 
 
 def _is_launch_key(path: str) -> bool:
@@ -277,6 +282,10 @@ def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
     if changes:
       n = 1
       while os.path.exists(os.path.join(workdir, f"config_{n}.json")):
+        beside = os.path.join(workdir, f"config_{n}.json")
+        with open(beside) as f:
+          if f.read() == text:   # this config again (a rerun): not another copy
+            return workdir, beside
         n += 1
       path = os.path.join(workdir, f"config_{n}.json")
       logging.warning("config differs from the finished stages' (%s); writing %s",

@@ -147,8 +147,21 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
       rollout=dataclasses.replace(cfg.rollout, backend="server",
                                   servers=("http://node9:30000",)))
   recipe.check_workdir(fleet)
+  # Nor how often it saves and how many it keeps (freeing disk mid-run), nor the HTTP
+  # client's waits.
+  recipe.check_workdir(dataclasses.replace(
+      cfg, rl=dataclasses.replace(cfg.rl, checkpoint_every=7, keep_checkpoints=1),
+      sft=dataclasses.replace(cfg.sft, checkpoint_every=9, keep_checkpoints=1),
+      rollout=dataclasses.replace(cfg.rollout, client=dataclasses.replace(
+          cfg.rollout.client, no_server_wait_s=5.0))))
   with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
     recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
+  # A changed config goes beside the old one once, not once per rerun.
+  changed = dataclasses.replace(cfg, seed=cfg.seed + 1, allow_config_change=True)
+  assert recipe.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
+  assert recipe.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
+  assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json",
+                                                                   "config_1.json"]
   with pytest.raises(config_utils.ConfigError, match=r"rollout\.engine\.num_slots"):
     recipe.check_workdir(dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, engine=dataclasses.replace(cfg.rollout.engine, num_slots=3))))
