@@ -343,10 +343,12 @@ def _answer_field(value: Any, field: str) -> str:
     if not value.is_integer():
       # Positional: repr gives "5e-05", which no math verifier matches against "0.00005".
       return format(decimal.Decimal(repr(value)), "f")
-    if abs(value) > 2**53:
+    mantissa = repr(abs(value)).split("e")[0].replace(".", "").strip("0")
+    if abs(value) > 2**53 and len(mantissa) > 15:
       # 12345678901234567890.0 is stored as ...7168: the file's digits are lost already.
-      raise FieldError(field, f"answer {value!r} is a float above 2**53, so its digits are not "
-                              "exact; store it as an integer or a string")
+      # A float of at most 15 significant digits (1e20) reads back as what was written.
+      raise FieldError(field, f"answer {value!r} is a float above 2**53 with more digits than "
+                              "a float holds; store it as an integer or a string")
     return str(int(value))
   if not isinstance(value, str):
     raise FieldError(field, f"answer must be a string or a number, got {type(value).__name__}")

@@ -111,7 +111,7 @@ def test_unknown_file_type_and_missing_file(tmp_path):
      "extra_info.index", "empty id"),
     # Its digits are gone already: it was read as 12345678901234567168.
     ('{"problem": "P", "answer": 12345678901234567890.0}', "answer", "above 2**53"),
-    ('{"problem": "P", "answer": -1e20}', "answer", "above 2**53"),
+    ('{"problem": "P", "answer": -1.2345678901234567e20}', "answer", "above 2**53"),
 ])
 def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message):
   good = json.dumps({"problem": "fine", "answer": "1"})
@@ -127,11 +127,13 @@ def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message)
 
 def test_float_answers_are_written_positionally(tmp_path):
   """repr gave '5e-05', which math-verify does not match against '0.00005'."""
-  values = [0.00005, 2.5e-7, 0.1, -3.25, 12.0, -0.0, float(2**53)]
+  values = [0.00005, 2.5e-7, 0.1, -3.25, 12.0, -0.0, float(2**53), -1e20, 1.5e21]
   path = _write_jsonl(tmp_path / "f.jsonl", [{"problem": f"p{i}", "answer": v}
                                              for i, v in enumerate(values)])
+  # Big whole floats with few digits read back as written (1e20 was refused as inexact).
   assert [p.answer for p in md.load_math_problems(path).items] == [
-      "0.00005", "0.00000025", "0.1", "-3.25", "12", "0", "9007199254740992"]
+      "0.00005", "0.00000025", "0.1", "-3.25", "12", "0", "9007199254740992",
+      "-100000000000000000000", "1500000000000000000000"]
 
 
 def test_upper_case_gz_suffix_is_decompressed(tmp_path):
