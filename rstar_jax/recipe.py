@@ -24,6 +24,7 @@ from absl import logging
 from flax import nnx
 
 from rstar_jax import compile_cache, config_utils, distributed, sharding
+from rstar_jax import sweep as sweep_lib
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
@@ -452,20 +453,11 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
 
 
 def _last_row(path: str) -> dict:
-  """The last whole row of a metrics JSONL file ({} if none)."""
+  """The last whole row of a stage's metrics file ({} if none)."""
   try:
-    with open(path) as f:
-      lines = f.read().splitlines()
+    return sweep_lib.last_jsonl_row(path) or {}
   except OSError:
     return {}
-  for line in reversed(lines):
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(row, dict):
-      return row
-  return {}
 
 
 def _read_json(path: str) -> dict | None:

@@ -234,6 +234,7 @@ def validate(points: Sequence[Mapping[str, Any]], config,
   each point's whole config is built too, so that a value its dataclass refuses (an
   unknown method, a negative step count) stops the sweep before any point runs."""
   seen: dict[str, int] = {}
+  read_back: set[tuple[str, str]] = set()   # (key, flag text) already checked: once each
   for i, p in enumerate(points):
     node = copy.deepcopy(config)
     for key, value in p.items():
@@ -274,8 +275,10 @@ def validate(points: Sequence[Mapping[str, Any]], config,
       except (TypeError, ValueError) as e:
         raise ConfigError(f"sweep point {i} ({point_name(p)}): {key}={value!r} does not fit "
                           f"the config field: {e}") from None
-      if isinstance(config, ml_collections.ConfigDict):
+      if (isinstance(config, ml_collections.ConfigDict)
+          and (key, format_value(value)) not in read_back):
         _check_flag(i, p, key, value, target[leaf], config)
+        read_back.add((key, format_value(value)))
     if build is not None:
       try:
         build(node)
@@ -611,7 +614,8 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
 
 
 # ---- results ---------------------------------------------------------------------------
-def _read_jsonl_last(path: str) -> dict | None:
+def last_jsonl_row(path: str) -> dict | None:
+  """The last whole row of a metrics JSONL file (None if it has none)."""
   last = None
   with open(path) as f:
     for line in f:
@@ -644,7 +648,7 @@ def point_metrics(point: Point) -> dict[str, Any]:
   for stage in reversed(STAGE_DIRS):
     path = os.path.join(point.workdir, stage, "metrics_rl.jsonl")
     if os.path.exists(path):
-      row = _read_jsonl_last(path)
+      row = last_jsonl_row(path)
       if row:
         out["last_rl/stage"] = stage
         out["last_rl/step"] = row.get("step")

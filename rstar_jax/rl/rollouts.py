@@ -61,13 +61,13 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   in it. Each trajectory keeps its own seed, so the result equals an uninterrupted run."""
   items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
   seeds = trajectory_seeds(stream, len(items))
+  prompts = [proto.prompt_ids(p.problem) for p in problems]   # once, not once per sample
   header = None
   if journal:
     # The prompts as the model sees them (system prompt, template, tokenizer) and the
     # agent's budgets decide the trajectories too, whatever the caller's key says.
     header = {"journal": 2, "key": journal_key, "stream": [int(x) for x in stream], "k": k,
-              "items": _digest(items),
-              "prompts": _digest(proto.prompt_ids(p.problem) for p in problems),
+              "items": _digest(items), "prompts": _digest(prompts),
               "agent": dataclasses.asdict(agent)}
   done = _read_journal(journal, header) if journal else {}
   todo = [i for i in range(len(items)) if i not in done]
@@ -92,7 +92,7 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   try:
     ran = run_sync(agent_loop.run_many(
         engine, tools, proto, [items[i] for i in todo], agent, seeds=[seeds[i] for i in todo],
-        progress=finished))
+        progress=finished, prompt_ids=[prompts[i // k] for i in todo]))
     trajs = [done.get(i) for i in range(len(items))]
     for i, t in zip(todo, ran):
       trajs[i] = t
@@ -103,7 +103,8 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
       index_of = {items[i][0]: i for i in again}
       retried = run_sync(agent_loop.run_many(engine, tools, proto, [items[i] for i in again],
                                              agent, seeds=[seeds[i] for i in again],
-                                             progress=journaled))
+                                             progress=journaled,
+                                             prompt_ids=[prompts[i // k] for i in again]))
       for i, t in zip(again, retried):
         trajs[i] = t
   finally:

@@ -170,15 +170,18 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
 
 async def run_many(engine: Engine, tools: ToolExecutor, proto: chat.ChatProtocol,
                    problems: Sequence[tuple[str, str]], cfg: AgentConfig, *,
-                   seeds: Sequence[int], progress=None) -> list[Trajectory]:
-  """All trajectories concurrently; `problems` are (uid, problem text).
+                   seeds: Sequence[int], progress=None,
+                   prompt_ids: Sequence[Sequence[int]] | None = None) -> list[Trajectory]:
+  """All trajectories concurrently; `problems` are (uid, problem text), `prompt_ids`
+  their prompts when the caller has them already (else each is rendered here).
 
   Each trajectory is its own task: when one waits on the sandbox, the others keep
   the engine busy.
   """
   async def one(i):
     uid, problem = problems[i]
-    t = await run_trajectory(engine, tools, proto, problem, cfg, seed=seeds[i], uid=uid)
+    t = await run_trajectory(engine, tools, proto, problem, cfg, seed=seeds[i], uid=uid,
+                             prompt_ids=None if prompt_ids is None else prompt_ids[i])
     if progress is not None:
       progress(t)
     return t
