@@ -77,6 +77,8 @@ flags.DEFINE_boolean("decode_buckets", True, "JaxEngine decode attends to a powe
                      "prefix of the slots (EngineConfig.decode_buckets)")
 flags.DEFINE_integer("decode_steps", 4, "EngineConfig.decode_steps: tokens per decode call "
                      "while no request waits (the engine's default is 1)")
+flags.DEFINE_boolean("warm_up", True, "(b) compile every engine shape before timing; "
+                     "--nowarm_up compiles each when first met, inside the timings (smoke runs)")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
@@ -402,7 +404,7 @@ def bench_agent():
 
   # Compile every prefill shape and decode bucket before timing.
   t = time.perf_counter()
-  n_shapes = engine.warm_up()
+  n_shapes = engine.warm_up() if FLAGS.warm_up else 0
   compile_s = time.perf_counter() - t
 
   def problems_for(n, seed):
@@ -470,8 +472,12 @@ def bench_agent():
         f"vocab {cfg.vocab_size} (toy tokenizer), random weights; agent: max_turns "
         f"{acfg.max_turns}, max_response_tokens {acfg.max_response_tokens}; turns < "
         f"{FLAGS.calls_per_traj} = {FLAGS.think_tokens} sampled tokens + scripted call")
-  print(f"    engine warm-up (compile {n_shapes} prefill and decode shapes): {compile_s:.1f} s "
-        "(excluded)")
+  if not FLAGS.warm_up:
+    print("    engine warm-up skipped (--nowarm_up): shapes compile when first met, "
+          "inside the timings below")
+  else:
+    print(f"    engine warm-up (compile {n_shapes} prefill and decode shapes): {compile_s:.1f} s "
+          "(excluded)")
   rows = [
       ("trajectories", f"{n}"),
       ("wall time", f"{wall:.2f} s"),
@@ -534,7 +540,7 @@ def bench_agent():
           "response_tokens_mean": float(resp.mean()), "model_tokens": model_tok,
           "engine_tokens_per_s": d.get("generated_tokens", 0) / wall,
           "slot_utilisation": util, "engine_busy_fraction": d.get("busy_s", 0.0) / wall,
-          "compile_s": compile_s, "slots": ecfg.num_slots, "max_len": ecfg.max_len,
+          "compile_s": compile_s, "warm_up": FLAGS.warm_up, "slots": ecfg.num_slots, "max_len": ecfg.max_len,
           "prefix_reused": wrapped.reused, "prefix_reusable": wrapped.reusable,
           "prefill_tokens": d.get("prefill_tokens", 0), "prefix_grace_s": ecfg.prefix_grace_s}
 

@@ -29,6 +29,10 @@ def enable(path: str, min_compile_time_secs: float = 0.5) -> None:
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
+  # JAX puts a directory under this path into every program's compile options (XLA's
+  # GPU autotune cache), so the path's text is part of each cache key: a directory
+  # reached through a symlink would miss every entry written under its real name.
+  path = os.path.realpath(path)
   os.makedirs(path, exist_ok=True)
   with filelock.FileLock(os.path.join(path, _LOCK)):
     _drop_unfinished_entries(path)

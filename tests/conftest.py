@@ -10,3 +10,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import pytest  # noqa: E402
+
+# tests/test_multihost.py's gloo test: its two processes, started when collection ends.
+STALL_PROCS = pytest.StashKey[list]()
+
+
+def pytest_collection_finish(session):
+  from tests import test_multihost
+  if any(item.name == test_multihost.STALL_TEST for item in session.items):
+    session.config.stash[STALL_PROCS] = test_multihost.start_stall_processes()
+
+
+def pytest_sessionfinish(session):
+  for p in session.config.stash.get(STALL_PROCS, []):
+    if p.poll() is None:
+      p.kill()

@@ -1,7 +1,7 @@
 """One process of the multi-process tests (tests/test_multihost.py runs it).
 
   python tests/multihost_worker.py --out DIR [--num_processes 2 --process_id I --port P]
-                                   [--restore CKPT_DIR]
+                                   [--restore CKPT_DIR] [--compile_cache DIR]
 
 On the (data 2, fsdp 2, tensor 2) mesh over every device of the job: one sharded
 GRPO train step of a tiny Qwen3 from a fixed batch, once with SGD at learning rate 1
@@ -25,7 +25,11 @@ def main():
   ap.add_argument("--process_id", type=int, default=0)
   ap.add_argument("--port", type=int, default=0)
   ap.add_argument("--restore", default="")
+  ap.add_argument("--compile_cache", default="")
   a = ap.parse_args()
+  if a.compile_cache:   # the jobs of one process count compile the same programs
+    from rstar_jax import compile_cache
+    compile_cache.enable(a.compile_cache)
 
   from rstar_jax import distributed
   if a.num_processes > 1:

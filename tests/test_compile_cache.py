@@ -70,3 +70,17 @@ def test_unfinished_entries_are_dropped_and_a_late_enable_still_counts(tmp_path)
   assert len(_entries(cache)) == 1      # here, not in the directory of the earlier compile
   assert not _entries(str(cache) + "_earlier")
   assert "Persistent compilation cache hit for 'jit_f'" in _finish(_start(cache, "early"))
+
+
+def test_a_directory_reached_through_a_symlink_hits_what_its_real_name_wrote(tmp_path):
+  """JAX puts a path under the cache directory into every program's compile options,
+  so the key depends on the path's text: a workdir whose cache was a symlink to a
+  warm one compiled everything again (and wrote a second entry per program)."""
+  cache = tmp_path / "cache"
+  _finish(_start(cache))
+  link = tmp_path / "elsewhere" / "compile_cache"
+  link.parent.mkdir()
+  link.symlink_to(cache)
+  later = _finish(_start(link))
+  assert "Persistent compilation cache hit for 'jit_f'" in later
+  assert len(_entries(cache)) == 1
