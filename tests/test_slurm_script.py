@@ -18,17 +18,18 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 _SRUN = r'''#!/bin/bash
 # srun [--options] CMD...: the trainer's command runs the fake trainer, any other sleeps.
 # Signals as srun handles them (SchedMD's srun, _forward_signal): SIGTERM and SIGHUP
-# kill the tasks with SIGKILL, other signals are passed on.
+# kill the tasks with SIGKILL, other signals are passed on. The handlers are set before
+# the task starts (a TERM right after launch left a task running, holding our stdout).
 while [[ $# -gt 0 && $1 == --* ]]; do shift; done
 echo $$ >> "$MARK.pids"
+trap 'kill -KILL $(jobs -p) 2>/dev/null; exit 137' TERM HUP
+trap 'kill -USR2 $(jobs -p) 2>/dev/null' USR2
 if [[ " $* " == *" experiments.recipe "* ]]; then
   python "$FAKE_TRAINER" "$@" &
 else
   sleep 300 &
 fi
 child=$!
-trap 'kill -KILL $child' TERM HUP
-trap 'kill -USR2 $child' USR2
 rc=0
 while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done
 exit $rc
