@@ -18,6 +18,8 @@ STALL_PROCS = pytest.StashKey[list]()
 
 
 def pytest_collection_finish(session):
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return   # a worker does not know whether it will run the test: the test starts them
   from tests import test_multihost
   if any(item.name == test_multihost.STALL_TEST for item in session.items):
     session.config.stash[STALL_PROCS] = test_multihost.start_stall_processes()
