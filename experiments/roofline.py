@@ -33,6 +33,35 @@ def matmul_peak_gflops(n: int = 1024, dtype: str = "float32", repeats: int = 7) 
   return 2 * n ** 3 / t / 1e9
 
 
+def matmul_chain(m: int, k: int, n: int, links: int = 8):
+  """(jitted fn, args, FLOPs): `links` dependent fp32 products alternating [m, k] x [k, n]
+  and [m, n] x [n, k] (an MLP's up and down shapes), tanh between (nothing for XLA to
+  reassociate or merge)."""
+  import jax
+  import jax.numpy as jnp
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(key, (m, k), jnp.float32)
+  ws = [jax.random.normal(jax.random.fold_in(key, i + 1), (k, n) if i % 2 == 0 else (n, k),
+                          jnp.float32) / (k if i % 2 == 0 else n) ** 0.5 for i in range(links)]
+
+  @jax.jit
+  def chain(h, ws):
+    for w in ws:
+      h = jnp.tanh(h @ w)
+    return h
+  return chain, (x, ws), links * 2 * m * k * n
+
+
+def matmul_chain_gflops(m: int, k: int, n: int, links: int = 8, repeats: int = 7) -> float:
+  """GFLOP/s of `matmul_chain`: the rate this machine gives the matmuls of a decode
+  step, whose m is the batch. Small m runs far below `matmul_peak_gflops` (64 rows:
+  ~60% of the 1024^3 rate on a 2-core host), and a layer's products depend on each
+  other, so they cannot overlap."""
+  chain, args, flops = matmul_chain(m, k, n, links)
+  t = _median_time(lambda: chain(*args).block_until_ready(), repeats)
+  return flops / t / 1e9
+
+
 def memory_bandwidth_gbs(mbytes: int = 256, repeats: int = 7) -> float:
   """GB/s of a jitted sum over a float32 array of `mbytes` MB: the streaming READ
   limit, which binds a decode step (it reads weights and k/v, writes little).

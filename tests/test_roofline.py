@@ -41,3 +41,10 @@ def test_matmul_peak_and_row():
   assert roofline.matmul_peak_gflops(128, repeats=2) > 0
   r = roofline.row("x", 2e9, 0.5, 8.0)
   assert r["gflops"] == pytest.approx(4.0) and r["fraction_of_peak"] == pytest.approx(0.5)
+
+
+def test_matmul_chain_counts_the_flops_xla_counts():
+  chain, args, flops = roofline.matmul_chain(16, 32, 96, links=4)
+  xla = roofline.xla_cost(chain, *args)["flops"]
+  assert flops <= xla < 1.02 * flops, (flops, xla)   # tanh's few flops on top
+  assert roofline.matmul_chain_gflops(16, 32, 96, links=4, repeats=2) > 0
