@@ -271,6 +271,17 @@ def bench_generate():
   print(f"    the same with the matmuls at the rate of a chain of {b}-row products here "
         f"({rows_peak:.0f} GFLOP/s, {100 * rows_peak / peak:.0f}% of the peak): {1e3 * rows_s:.2f} ms, "
         f"reached {100 * rows_s / step_s:.0f}%")
+  # The roofline with that rate: the limit set by FLOPs (at the rate the step's shapes
+  # get here) or bytes, whichever binds, and what the whole run would be against
+  # generate() if every decode step took only that (prefill and host time as measured).
+  rows_limit_s = max(step_flops / (rows_peak * 1e9), step_bytes / (bandwidth * 1e9))
+  steps_per_run = calls["_decode"] * k / reps
+  at_limit_s = (secs["_prefill"] + host) / reps + steps_per_run * rows_limit_s
+  decode_roof.update(rows_limit_step_s=rows_limit_s, fraction_of_rows_limit=rows_limit_s / step_s,
+                     ratio_if_decode_at_rows_limit=med["torch"] / at_limit_s)
+  print(f"    the binding limit at that rate ({'FLOPs' if step_flops / rows_peak > step_bytes / bandwidth else 'bytes'}) "
+        f"is {1e3 * rows_limit_s:.2f} ms/step: reached {100 * rows_limit_s / step_s:.0f}%; with every "
+        f"decode step at it the engine would be {med['torch'] / at_limit_s:.2f}x generate()")
   return {"decode_roofline": decode_roof, "batch": b, "prompt_len": p, "new_tokens": n, "preset": FLAGS.preset,
           "num_params": cfg.num_params, "wall_s": times, "jax_first_run_s": first_jax,
           "tokens_per_s": {k: ntok / med[k] for k in med},

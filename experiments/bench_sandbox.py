@@ -99,7 +99,7 @@ async def _cell(one, code: str, n: int, concurrency: int) -> dict:
   await asyncio.gather(*(go() for _ in range(n)))
   elapsed = time.perf_counter() - t
   lat = sorted(x for x, _ in outs)
-  return {"calls": n, "median_ms": 1000 * statistics.median(lat),
+  return {"calls": n, "median_ms": 1000 * statistics.median(lat), "mean_ms": 1000 * statistics.mean(lat),
           "p99_ms": 1000 * percentile(lat, 99), "calls_s": n / elapsed,
           "wrong": sum(1 for _, o in outs if o not in EXPECTED.values())}
 
@@ -343,9 +343,14 @@ async def _run(url: str) -> dict:
       print(f"  {'':11}  service CPU {per['total_service']:.1f} ms/call (client excluded) -> "
             f"{ceiling:.1f} calls/s with all {os.cpu_count()} cores = "
             f"{100 * ceiling / lim['limit_calls_s']:.0f}% of the limit")
-  # Little's law: with 32 calls always in flight, mean latency = 32 / throughput.
+  # Little's law: with 32 calls always in flight, mean latency = 32 / throughput. So p99
+  # <= 300 ms needs more than 32 / 0.3 calls/s, and that times the tail's own spread.
+  need = 32 / 0.3
+  tail = s32["p99_ms"] / s32["mean_ms"]
   print(f"\n  p99 <= 300 ms at c=32 needs a mean latency below 300 ms, i.e. (Little's law, 32 in "
-        f"flight) more than {32 / 0.3:.0f} calls/s.")
+        f"flight) more than {need:.0f} calls/s;\n  with this run's tail (p99 = {tail:.2f}x the "
+        f"mean, {s32['mean_ms']:.0f} ms) more than {need * tail:.0f} calls/s. The limit above: "
+        f"{limits['sympy solve']['limit_calls_s']:.1f} calls/s.")
   print("\nTargets (issues 6 and 18, 2 cores):")
   for ok, text in (
       (s1["median_ms"] <= 20, f"sympy median <= 20 ms at c=1: {s1['median_ms']:.1f} ms"),
@@ -353,6 +358,9 @@ async def _run(url: str) -> dict:
       (s32["calls_s"] >= 40 * base32["calls_s"],
        f"sympy >= 40x baseline at c=32: {s32['calls_s'] / base32['calls_s']:.1f}x"),
       (s32["p99_ms"] <= 300, f"sympy p99 <= 300 ms at c=32: {s32['p99_ms']:.1f} ms"),
+      (s32["p99_ms"] <= 300 or limits["sympy solve"]["limit_calls_s"] < need,
+       f"sympy p99 <= 300 ms at c=32, or the limit below the {need:.0f} calls/s it needs: "
+       f"{s32['p99_ms']:.1f} ms, limit {limits['sympy solve']['limit_calls_s']:.1f} calls/s"),
       (percentile(lat, 99) <= 0.1, f"timeout lateness p99 <= 100 ms: {1000 * percentile(lat, 99):.1f} ms"),
       (s32["calls_s"] >= 100 or limits["sympy solve"]["limit_calls_s"] < 100,
        f"sympy >= 100 calls/s at c=32, or the limit below 100: {s32['calls_s']:.1f} calls/s, "
