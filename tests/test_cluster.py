@@ -126,10 +126,12 @@ def test_a_server_is_restarted_when_it_hangs_and_restarts_far_apart_do_not_add_u
     time.sleep(cfg.restart_window_s + 0.5)         # the first restart is now old
     second = srv.proc.pid
     os.kill(second, signal.SIGKILL)
-    _wait(lambda: srv.proc.pid != second and cluster._healthy(srv.url),
-          "the second restart, a window after the first")
+    _wait(lambda: srv.proc.pid != second, "the second restart, a window after the first")
     assert srv.restarts == 2 and not srv.gave_up
-    os.kill(srv.proc.pid, signal.SIGKILL)          # a second exit within the window
+    # A second exit within the window: killed while it starts, since the window counts
+    # from the exits and a start took over the 4 s window on a loaded host (killed once
+    # healthy, that exit came too late to be a burst and the server was restarted).
+    os.kill(srv.proc.pid, signal.SIGKILL)
     _wait(lambda: bool(srv.gave_up), "giving up")
     assert "after 1 restart(s) within 4 s" in srv.gave_up, srv.gave_up
     log = srv.log_tail(20000)
