@@ -116,19 +116,24 @@ def main(_):
   # and CPU seconds measure the work done even while other jobs take cores away.
   times = {name: [] for name in sides}
   cpu = {name: [] for name in sides}
+  # The machine's limit is probed after every round, in the same phase as the steps: a
+  # host's speed can shift by 1.5x within seconds (seen 2026-11-26).
+  peaks = []
   for _ in range(FLAGS.repeats):
     for name, fn in sides.items():
       t, c = time.perf_counter(), time.process_time()
       fn()
       times[name].append(time.perf_counter() - t)
       cpu[name].append(time.process_time() - c)
+    peaks.append(roofline.matmul_peak_gflops(FLAGS.peak_n, repeats=3))
   ntok = FLAGS.batch * FLAGS.seq
   # The machine's limit, measured now, and XLA's FLOP count of this very step.
-  peak = roofline.matmul_peak_gflops(FLAGS.peak_n)
+  peak = statistics.median(peaks)
   cost = roofline.xla_cost(step, state, jtok)   # counts the layer scan's body once
   flops = roofline.train_flops(cfg, FLAGS.batch, FLAGS.seq)
   med = {k: statistics.median(v) for k, v in times.items()}
-  roof = {"peak_gflops": peak, "peak_matmul_n": FLAGS.peak_n, "model_flops": flops,
+  roof = {"peak_gflops": peak, "peak_probes_gflops": peaks, "peak_matmul_n": FLAGS.peak_n,
+          "model_flops": flops,
           "xla_flops_scan_body_once": cost["flops"],
           **{name: roofline.row(name, flops, med[name], peak) for name in sides}}
   cmed = {k: statistics.median(v) for k, v in cpu.items()}
@@ -148,7 +153,8 @@ def main(_):
   print(f"ratio jax/torch tokens/s (wall, median): {med['torch'] / med['jax']:.2f}x; "
         f"(wall, best): {min(times['torch']) / min(times['jax']):.2f}x; "
         f"(CPU time): {cmed['torch'] / cmed['jax']:.2f}x")
-  print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s ({FLAGS.peak_n}^3); model "
+  print(f"roofline: measured fp32 matmul peak {peak:.1f} GFLOP/s ({FLAGS.peak_n}^3, median of a probe "
+        f"after each round: {min(peaks):.0f}-{max(peaks):.0f}); model "
         f"FLOPs {flops / 1e9:.1f} GFLOP per step (6N + attention; XLA's count, which sees the "
         f"layer scan once, is {cost['flops'] / 1e9:.1f}) -> jax {roof['jax']['gflops']:.1f} "
         f"GFLOP/s = {100 * roof['jax']['fraction_of_peak']:.0f}% of peak; torch "

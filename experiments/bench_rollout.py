@@ -190,9 +190,18 @@ def bench_generate():
     run_torch(prompts(), 0)                 # warm-up
     timer.reset()
     times = {"jax": [], "torch": []}
+    # The machine's limits are probed between the rounds, not once after them: a host's
+    # speed can shift by 1.5x within seconds (seen 2026-11-26), and a limit taken in
+    # another phase than the runs gave a decode step at 106% of its bound.
+    probes = {"peak": [], "bandwidth": [], "rows_peak": []}
     for r in range(FLAGS.repeats):
       times["jax"].append(run_jax(prompts(), r + 1))
       times["torch"].append(run_torch(prompts(), r + 1))
+      # (not inside the timed runs: the timer sees only the engine's jitted calls)
+      probes["peak"].append(roofline.matmul_peak_gflops(repeats=3))
+      probes["bandwidth"].append(roofline.memory_bandwidth_gbs(repeats=3))
+      probes["rows_peak"].append(
+          roofline.matmul_chain_gflops(b, cfg.hidden_size, cfg.intermediate_size, repeats=3))
     prof = dict(timer.seconds), dict(timer.calls)
   med = {k: statistics.median(v) for k, v in times.items()}
   ntok = b * n
@@ -226,8 +235,12 @@ def bench_generate():
   # head included, plus attention over the filled part, on average p + n/2 positions)
   # and bytes (every weight once, plus the k/v the step reads: the length bucket of
   # the step with decode_buckets where `decode_attend` takes it, else whole slots).
-  peak = roofline.matmul_peak_gflops()
-  bandwidth = roofline.memory_bandwidth_gbs()
+  peak, bandwidth, rows_peak = (statistics.median(probes[k]) for k in ("peak", "bandwidth", "rows_peak"))
+  print("    limits probed after each round (min / median / max): " + "; ".join(
+      f"{label} {min(probes[k]):.0f} / {statistics.median(probes[k]):.0f} / {max(probes[k]):.0f} {unit}"
+      for k, label, unit in (("peak", "1024^3 matmul", "GFLOP/s"),
+                             ("bandwidth", "read bandwidth", "GB/s"),
+                             ("rows_peak", f"chain of {b}-row products", "GFLOP/s"))))
   head = cfg.vocab_size * cfg.hidden_size
   dense = cfg.num_params - head * (1 if cfg.tie_word_embeddings else 2) + head
   filled = p + n / 2
@@ -240,7 +253,7 @@ def bench_generate():
   kv_bytes = b * read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
   step_bytes = 4 * cfg.num_params + kv_bytes
   step_s = secs["_decode"] / max(calls["_decode"] * k, 1)
-  decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s,
+  decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s, "probes": probes,
                  "flops_per_step": step_flops, "bytes_per_step": step_bytes,
                  "gflops": step_flops / step_s / 1e9, "gbs": step_bytes / step_s / 1e9}
   decode_roof["fraction_of_peak"] = decode_roof["gflops"] / peak
@@ -264,7 +277,6 @@ def bench_generate():
         f"{1e3 * serial_s:.2f} ms: reached {100 * serial_s / step_s:.0f}%")
   # The same bound with the matmuls at the rate this machine gives their shape (b rows)
   # rather than a 1024^3 product's: what a decode step could reach here at best.
-  rows_peak = roofline.matmul_chain_gflops(b, cfg.hidden_size, cfg.intermediate_size)
   rows_s = step_flops / (rows_peak * 1e9) + step_bytes / (bandwidth * 1e9)
   decode_roof.update(rows_peak_gflops=rows_peak, rows_serial_limit_step_s=rows_s,
                      fraction_of_rows_serial_limit=rows_s / step_s)
