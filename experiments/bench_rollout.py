@@ -235,7 +235,8 @@ def bench_generate():
   # head included, plus attention over the filled part, on average p + n/2 positions)
   # and bytes (every weight once, plus the k/v the step reads: the length bucket of
   # the step with decode_buckets where `decode_attend` takes it, else whole slots).
-  peak, bandwidth, rows_peak = (statistics.median(probes[k]) for k in ("peak", "bandwidth", "rows_peak"))
+  peak, bandwidth, rows_peak = (statistics.median(probes[k])
+                                for k in ("peak", "bandwidth", "rows_peak"))
   print("    limits probed after each round (min / median / max): " + "; ".join(
       f"{label} {min(probes[k]):.0f} / {statistics.median(probes[k]):.0f} / {max(probes[k]):.0f} {unit}"
       for k, label, unit in (("peak", "1024^3 matmul", "GFLOP/s"),
@@ -253,7 +254,8 @@ def bench_generate():
   kv_bytes = b * read * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
   step_bytes = 4 * cfg.num_params + kv_bytes
   step_s = secs["_decode"] / max(calls["_decode"] * k, 1)
-  decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s, "probes": probes,
+  decode_roof = {"peak_gflops": peak, "bandwidth_gbs": bandwidth, "step_s": step_s,
+                 "probes": probes,
                  "flops_per_step": step_flops, "bytes_per_step": step_bytes,
                  "gflops": step_flops / step_s / 1e9, "gbs": step_bytes / step_s / 1e9}
   decode_roof["fraction_of_peak"] = decode_roof["gflops"] / peak
@@ -291,9 +293,10 @@ def bench_generate():
   at_limit_s = (secs["_prefill"] + host) / reps + steps_per_run * rows_limit_s
   decode_roof.update(rows_limit_step_s=rows_limit_s, fraction_of_rows_limit=rows_limit_s / step_s,
                      ratio_if_decode_at_rows_limit=med["torch"] / at_limit_s)
-  print(f"    the binding limit at that rate ({'FLOPs' if step_flops / rows_peak > step_bytes / bandwidth else 'bytes'}) "
-        f"is {1e3 * rows_limit_s:.2f} ms/step: reached {100 * rows_limit_s / step_s:.0f}%; with every "
-        f"decode step at it the engine would be {med['torch'] / at_limit_s:.2f}x generate()")
+  binds = "FLOPs" if step_flops / rows_peak > step_bytes / bandwidth else "bytes"
+  print(f"    the binding limit at that rate ({binds}) is {1e3 * rows_limit_s:.2f} ms/step: "
+        f"reached {100 * rows_limit_s / step_s:.0f}%; with every decode step at it the engine "
+        f"would be {med['torch'] / at_limit_s:.2f}x generate()")
   return {"decode_roofline": decode_roof, "batch": b, "prompt_len": p, "new_tokens": n, "preset": FLAGS.preset,
           "num_params": cfg.num_params, "wall_s": times, "jax_first_run_s": first_jax,
           "tokens_per_s": {k: ntok / med[k] for k in med},

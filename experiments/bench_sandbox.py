@@ -99,7 +99,8 @@ async def _cell(one, code: str, n: int, concurrency: int) -> dict:
   await asyncio.gather(*(go() for _ in range(n)))
   elapsed = time.perf_counter() - t
   lat = sorted(x for x, _ in outs)
-  return {"calls": n, "median_ms": 1000 * statistics.median(lat), "mean_ms": 1000 * statistics.mean(lat),
+  return {"calls": n, "median_ms": 1000 * statistics.median(lat),
+          "mean_ms": 1000 * statistics.mean(lat),
           "p99_ms": 1000 * percentile(lat, 99), "calls_s": n / elapsed,
           "wrong": sum(1 for _, o in outs if o not in EXPECTED.values())}
 
