@@ -55,8 +55,8 @@ def matmul_chain(m: int, k: int, n: int, links: int = 8):
 def matmul_chain_gflops(m: int, k: int, n: int, links: int = 8, repeats: int = 7) -> float:
   """GFLOP/s of `matmul_chain`: the rate this machine gives the matmuls of a decode
   step, whose m is the batch. Small m runs far below `matmul_peak_gflops` (64 rows:
-  ~60% of the 1024^3 rate on a 2-core host), and a layer's products depend on each
-  other, so they cannot overlap."""
+  43-60% of the 1024^3 rate on the 2-core hosts measured), and a layer's products depend
+  on each other, so they cannot overlap."""
   chain, args, flops = matmul_chain(m, k, n, links)
   t = _median_time(lambda: chain(*args).block_until_ready(), repeats)
   return flops / t / 1e9
