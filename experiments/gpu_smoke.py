@@ -1,12 +1,13 @@
 r"""python -m experiments.gpu_smoke --preset qwen3-0.6b --batch 8 --seq 1024
 
-The first thing to run on a new GPU host (NVIDIA or MI300X / ROCm): lists the devices
+The train step alone, on any preset and any mesh of one or many hosts (the whole
+device check of one host is `experiments/device_check.py`): lists the devices
 JAX sees, builds a mesh over all of them (`--mesh`, fsdp over every device by default),
 runs the sharded GRPO train step (the RL trainer's own step: policy-gradient loss,
 AdamW update) of a Qwen3 on a random batch, and prints tokens/s and model FLOPs
 utilisation: the model's FLOPs (6N + attention per token) over the step time, against the peak
-(`--peak_tflops`, the accelerator's dense bf16 figure from its data sheet, per device;
-by default the dense matmul peak measured here in the same run).
+(`--peak_tflops` per device, or the dense matmul peak measured here in the same run),
+and on a known accelerator also against its data sheet's dense bf16 peak.
 
   --tiny   a 2-layer x 64 model, batch 4 x 64 tokens, float32: runs on a CPU in
            seconds (CI runs it this way).
@@ -15,15 +16,14 @@ Compute dtype is bfloat16 on accelerators (parameters and optimizer state stay f
 float32 on CPU. Exit status 0 with a finite loss is the smoke test passing.
 """
 import os
-import statistics
 import sys
-import time
 
 from absl import app
 from absl import flags
 
 from experiments import results_json
 from experiments import roofline
+from experiments import step_timing
 
 flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("batch", 8, "trajectories per step")
@@ -65,11 +65,9 @@ def main(argv):
       coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
       process_id=FLAGS.process_id))
   import jax
-  import numpy as np
 
-  from rstar_jax import optim, sharding
-  from rstar_jax.model import config as model_config, qwen3
-  from rstar_jax.rl import batching, losses, train_step as ts
+  from rstar_jax import sharding
+  from rstar_jax.model import config as model_config
   from rstar_jax.train import step as core
 
   devices = jax.devices()
@@ -102,69 +100,42 @@ def main(argv):
         f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params, compute {dtype}; mesh "
         f"{dict(mesh.shape)}; batch {batch_n} x {seq} tokens, {FLAGS.micro_batches} micro-batch(es)")
 
-  rng = np.random.RandomState(0)
-  prompt = seq // 4
-  trajs = [batching.TokenTrajectory(
-      prompt_ids=rng.randint(0, cfg.vocab_size, prompt).tolist(),
-      response_ids=rng.randint(0, cfg.vocab_size, seq - prompt).tolist(),
-      response_mask=[1] * (seq - prompt),
-      response_logprobs=(-rng.rand(seq - prompt) * 2).tolist()) for _ in range(batch_n)]
-  batch = batching.build_batch(trajs, rng.randn(batch_n).astype(np.float32),
-                               row_multiple=rows, length_multiple=64 if not FLAGS.tiny else 8)
-
-  t = time.perf_counter()
-  model = qwen3.create_model(cfg, seed=0)
-  tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=0))
-  graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
-  del model
-  step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
-                            ts.StepConfig(micro_batches=FLAGS.micro_batches,
-                                          logprob_chunk=min(512, seq)),
-                            mesh=mesh, state_shardings=shardings, donate=True)
-  cost = roofline.xla_cost(step, state, batch)
-  state, m = step(state, batch)
-  loss0 = float(distributed.host_value(m["loss"]))
-  compile_s = time.perf_counter() - t
-  times = []
-  for _ in range(FLAGS.steps):
-    t = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m["loss"])
-    times.append(time.perf_counter() - t)
-  loss = float(distributed.host_value(m["loss"]))
-  if not (np.isfinite(loss0) and np.isfinite(loss)):
-    sys.exit(f"non-finite loss: first {loss0}, last {loss}")
-  med = statistics.median(times)
-  tokens = batch_n * batch["input_ids"].shape[1]
-  # Model FLOPs (6N + attention, PaLM's MFU convention). XLA's own count is of the
-  # partitioned program of one device and sees the layer scan's body once: reported
-  # beside, not used.
+  batch = step_timing.random_batch(cfg.vocab_size, batch_n, seq, row_multiple=rows,
+                                   length_multiple=64 if not FLAGS.tiny else 8)
+  try:
+    timing = step_timing.time_train_step(cfg, mesh, batch=batch, steps=FLAGS.steps,
+                                         micro_batches=FLAGS.micro_batches)
+  except FloatingPointError as e:
+    sys.exit(str(e))
+  tokens = batch_n * timing.seq
   n_dev = mesh.devices.size
-  flops = roofline.train_flops(cfg, batch_n, int(batch["input_ids"].shape[1]))
+  sheet = step_timing.data_sheet(getattr(devices[0], "device_kind", ""))
   if FLAGS.peak_tflops:
-    peak, peak_src = FLAGS.peak_tflops * 1e3 * n_dev, f"data sheet (--peak_tflops) x {n_dev}"
+    peak, peak_src = FLAGS.peak_tflops * 1e3 * n_dev, f"--peak_tflops x {n_dev}"
   elif accel:
     peak = roofline.matmul_peak_gflops(4096, dtype) * n_dev
     peak_src = f"measured {dtype} matmul x {n_dev} device(s)"
   else:   # host devices share the machine's cores: its peak is the whole machine's
     peak, peak_src = roofline.matmul_peak_gflops(1024, dtype), f"measured {dtype} matmul"
-  achieved = flops / med / 1e9
-  mfu = achieved / peak if peak else 0.0
-  print(f"compile + first step {compile_s:.1f} s; loss {loss0:.4f} -> {loss:.4f}")
+  peaks = {peak_src: peak}
+  if sheet and accel:
+    peaks[f"data sheet {sheet[0]:g} TFLOP/s x {n_dev}"] = sheet[0] * 1e3 * n_dev
+  result = step_timing.as_dict(timing, peaks)
+  achieved, med = result["achieved_gflops"], timing.median_s
+  print(f"compile + first step {timing.compile_s:.1f} s; loss {timing.loss[0]:.4f} -> "
+        f"{timing.loss[1]:.4f}")
   print(f"step {1e3 * med:.1f} ms (median of {FLAGS.steps}), {tokens / med:,.0f} tokens/s; "
-        f"model {flops / 1e12:.4f} TFLOP per step -> {achieved:,.1f} GFLOP/s; peak "
-        f"{peak:,.1f} GFLOP/s ({peak_src}): MFU {100 * mfu:.1f}%")
+        f"model {timing.flops / 1e12:.4f} TFLOP per step -> {achieved:,.1f} GFLOP/s; "
+        + "; ".join(f"MFU {100 * v:.1f}% of {k} ({peaks[k]:,.0f} GFLOP/s)"
+                    for k, v in result["mfu"].items()))
   if not distributed.is_main():
     return
-  results_json.write(FLAGS.out, {
-      "benchmark": "gpu_smoke", "backend": jax.default_backend(),
-      "devices": [f"{d.platform} {getattr(d, 'device_kind', '')}" for d in devices],
-      "model": {"preset": "tiny" if FLAGS.tiny else FLAGS.preset, "num_params": cfg.num_params,
-                "dtype": dtype}, "mesh": dict(mesh.shape), "batch": batch_n,
-      "seq": int(batch["input_ids"].shape[1]), "step_s": times, "tokens_per_s": tokens / med,
-      "xla_flops_per_device": cost["flops"], "flops": flops, "achieved_gflops": achieved, "peak_gflops": peak,
-      "peak_source": peak_src, "mfu": mfu, "compile_s": compile_s, "loss": [loss0, loss],
-      "load_average": os.getloadavg()})
+  results_json.write(FLAGS.out, dict(
+      result, benchmark="gpu_smoke", backend=jax.default_backend(),
+      devices=[f"{d.platform} {getattr(d, 'device_kind', '')}" for d in devices],
+      model={"preset": "tiny" if FLAGS.tiny else FLAGS.preset, "num_params": cfg.num_params,
+             "dtype": dtype}, mesh=dict(mesh.shape), peaks_gflops=peaks,
+      load_average=os.getloadavg()))
 
 
 if __name__ == "__main__":

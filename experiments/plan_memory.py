@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import os
 
-# Before jax is imported (here or by rstar_jax): fake the devices of the target mesh.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=64").strip()
+# Run as a script: before jax is imported (here or by rstar_jax), fake the devices of
+# the target mesh. Imported (device_check, tests), the importer's devices are used and
+# its environment is left alone: its subprocesses must not inherit JAX_PLATFORMS=cpu.
+if __name__ == "__main__":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=64").strip()
 
 import dataclasses
 import functools
@@ -96,6 +99,8 @@ class PlanCase:
     remat_policy, attention_impl, attention_chunk, param_dtype, dtype: as in Qwen3Config.
     logprob_chunk: positions per chunk of the log-prob / entropy head (StepConfig).
     compute_entropy: whether the step also computes per-token entropy (StepConfig).
+    num_hidden_layers: None keeps the preset's; fewer gives a slice of the model with
+      its per-layer shapes (device_check compares such a slice with a real step).
   """
   preset: str = "qwen3-14b"
   mesh: tuple[tuple[str, int], ...] = (("fsdp", 64),)
@@ -109,6 +114,7 @@ class PlanCase:
   dtype: str = "bfloat16"
   logprob_chunk: int = 512
   compute_entropy: bool = True
+  num_hidden_layers: int | None = None
 
   def __post_init__(self):
     mesh = dict(self.mesh)
@@ -156,9 +162,12 @@ class PlanCase:
     return f"{prefix}{self.attention_chunk}"
 
   def model_config(self) -> model_config.Qwen3Config:
+    layers = {} if self.num_hidden_layers is None else {
+        "num_hidden_layers": self.num_hidden_layers}
     return model_config.get_preset(
         self.preset, remat_policy=self.remat_policy, attention_impl=self.attention_impl,
-        attention_chunk=self.attention_chunk, param_dtype=self.param_dtype, dtype=self.dtype)
+        attention_chunk=self.attention_chunk, param_dtype=self.param_dtype, dtype=self.dtype,
+        **layers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -135,22 +135,57 @@ def cached_attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024):
                    cache_layout=True)
 
 
-def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024, cache_layout: bool = False):
+def fused_attention_backend(dtype) -> str:
+  """The `implementation` of `jax.nn.dot_product_attention` for attention_impl
+  "dot_product": "cudnn" on an NVIDIA GPU in bf16 / fp16 (cuDNN's flash-attention
+  kernel: no [T, S] scores per head in memory), else "xla".
+
+  Named explicitly because `implementation=None` runs XLA's attention everywhere
+  (jax 0.10: "defaults to XLA for now"), which materialises the scores of every head:
+  at T = 8192 that is what "chunked" exists to avoid. ROCm has no cuDNN: there the
+  XLA path runs (use "chunked" or "blockwise" on MI300X)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return "xla"
+  try:
+    device = jax.devices()[0]
+    cuda = device.platform == "gpu" and "cuda" in str(device.client.platform_version).lower()
+  except Exception:  # no backend attribute to tell: the portable path
+    return "xla"
+  return "cudnn" if cuda else "xla"
+
+
+def dot_product_attention(q, k, v, mask, causal: bool = False,
+                          implementation: str | None = None):
+  """`jax.nn.dot_product_attention` with our boolean mask [B, T, S].
+
+  causal: the mask is a subset of the index-causal one (training: queries and keys
+  are the same positions), so the kernel may skip the upper triangle as well; the
+  mask (padding, packed segments) still applies, as a bias inside the fused kernel.
+  implementation: None chooses with `fused_attention_backend`.
+  """
+  impl = implementation or fused_attention_backend(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :],
+                                      scale=q.shape[-1] ** -0.5, is_causal=causal,
+                                      implementation=impl)
+
+
+def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024, cache_layout: bool = False,
+              causal: bool = False):
   """Dispatches to full, query-chunked, blockwise or fused attention (same result).
 
   "chunked" materialises scores for `chunk` queries at a time and recomputes them
   in the backward pass, so a 12K-token sequence never holds [T, T] scores per head.
-  "dot_product" is `jax.nn.dot_product_attention`, which takes cuDNN's fused kernel on
-  an NVIDIA GPU when the dtype and shapes allow (bf16 / fp16) and XLA's otherwise
-  (CPU, where it is tested against "xla"). "blockwise" (`blockwise_attention`) skips
+  "dot_product" is `jax.nn.dot_product_attention`, asked for cuDNN's fused kernel on
+  an NVIDIA GPU in bf16 / fp16 and XLA's otherwise (`fused_attention_backend`; CPU,
+  where it is tested against "xla"). "blockwise" (`blockwise_attention`) skips
   the causal upper triangle in query blocks of `chunk` and saves no probabilities for
-  the backward pass; it needs a training mask (no cache).
+  the backward pass; it needs a training mask (no cache). causal: see
+  `dot_product_attention` (the training path sets it; the cache path does not).
   """
   if impl == "blockwise":
     return blockwise_attention.blockwise_attention(q, k, v, mask, chunk)
   if impl == "dot_product":
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :],
-                                        scale=q.shape[-1] ** -0.5)
+    return dot_product_attention(q, k, v, mask, causal=causal)
   t = q.shape[1]
   if impl == "xla" or t <= chunk:
     return _attend(q, k, v, mask, cache_layout)
@@ -250,7 +285,7 @@ class DecoderLayer(nnx.Module):
     k = rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
     new_kv = None
     if kv is None:
-      a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk)
+      a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk, causal=True)
     else:
       k_cache, v_cache = kv
       b_idx = jnp.arange(x.shape[0])[:, None]

@@ -161,6 +161,24 @@ def test_dot_product_attention_matches_xla_in_gradients_and_cached_decode():
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_fused_attention_asks_for_cudnn_only_on_an_nvidia_gpu_in_half_precision():
+  """jax.nn.dot_product_attention(implementation=None) runs XLA everywhere, so the
+  model names cuDNN itself where it can run; on this CPU host: XLA, in any dtype."""
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    assert qwen3.fused_attention_backend(dtype) == "xla"
+  # The training path's is_causal=True on top of a packed (block-diagonal) mask
+  # changes nothing: the mask is already index-causal.
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 9, 4, 8)) for i in range(3))
+  seg = jnp.asarray([[1] * 9, [1] * 4 + [2] * 3 + [0] * 2])
+  idx = jnp.arange(9)
+  mask = ((seg[:, :, None] == seg[:, None, :]) & (idx[None, :] <= idx[:, None])[None]
+          & (seg[:, None, :] != 0))
+  a = qwen3.dot_product_attention(q, k, v, mask, causal=True, implementation="xla")
+  b = qwen3.dot_product_attention(q, k, v, mask, causal=False, implementation="xla")
+  valid = np.asarray(seg) != 0
+  np.testing.assert_allclose(np.asarray(a)[valid], np.asarray(b)[valid], atol=1e-6)
+
+
 def test_bf16_compute_stays_close_to_fp32():
   model = qwen3.create_model(CFG, seed=10)
   tokens = _tokens(2, 16, seed=11)

@@ -1,0 +1,855 @@
+r"""python -m experiments.device_check --out /tmp/device_check
+
+The first thing to run on an accelerator host (one NVIDIA H100 / H200, or an MI300X):
+one command, about 7 minutes on one H100, that exercises every GPU path of the project
+on a slice of Qwen3-14B (its per-layer shapes: hidden 5120, 40 query and 8 KV heads of
+128, MLP 17408, vocab 151936; `--layers` of them, 2 by default) and writes
+`OUT/device_check.json` and `OUT/device_check.md` (a table of every figure and target).
+
+Sections, each in a process of its own with its own time limit (a crash, an
+out-of-memory or a hang in one is recorded with its error and the others still run;
+a fresh process also gives each section a clean peak-memory counter):
+  env         devices, memory, jax / jaxlib / plugin versions, the XLA flags and
+              variables in force, missing packages, bubblewrap; the limits measured
+              here (bf16 matmul peak, HBM read bandwidth) beside the data sheet's.
+  numerics    the slice in bf16 against the same weights in fp32: logits, token
+              log-probs, the GRPO-RoC loss and the gradient (tolerances below).
+  train_step  the RL trainer's sharded GRPO step (clip-higher loss, AdamW, remat as
+              the 14B config sets it) at seq 8192 for each attention implementation
+              (chunked, blockwise, dot_product), and 12288 for the 14B config's own
+              (chunked); step time, tokens/s, MFU against the measured bf16 matmul
+              peak and the data sheet's dense bf16 peak; which kernels the compiled
+              step calls (cuDNN's fused attention shows as `__cudnn$fmha...`).
+  memory      one step in a fresh process: the device's peak bytes in use against
+              `experiments.plan_memory`'s ahead-of-time plan of the same step, compiled
+              for this device and for the CPU (the plan a CPU host makes for a cluster).
+  rollouts    JaxEngine prefill and decode on the slice (bf16 weights, as a rollout
+              server holds them) at 64 slots: tokens/s, decode step against the HBM
+              roofline; then a short multi-turn run through the agent loop, the
+              sandbox server and the tool protocol (the `small` preset with the toy
+              tokenizer, scripted tool calls).
+  hf_io       Hugging Face export and load of the slice (bf16 safetensors), GB/s,
+              with the loaded weights checked against the exported ones.
+  recipe      the toy recipe's `smoke` variant end to end on this device (SFT, RL,
+              evaluation, with the sandbox; `--allow-weak-isolation` when bubblewrap
+              is missing, said in the output).
+
+Targets on one H100 (reported met / missed in the JSON and the table):
+  - train step MFU >= 45% of the data sheet's dense bf16 peak at seq 8192 with the 14B
+    config's attention (chunked);
+  - dot_product (cuDNN) attention at least as fast as blockwise, with equal loss;
+  - JaxEngine decode step >= 50% of its HBM-bandwidth roofline at 64 slots;
+  - bf16 against fp32 within the tolerances below;
+  - measured peak memory within 15% of the ahead-of-time plan for this device.
+
+Tolerances of bf16 against fp32 (same weights, fp32 master copy): bf16 keeps 8
+significant bits, a unit roundoff of 2^-8 = 3.9e-3 per rounding. One bf16 product
+with fp32 accumulation lands near 1e-3..1e-2 relative error; the slice rounds the
+residual stream after every block of its layers and the head, so the logits' relative
+L2 error may reach a few of those: tolerance 2e-2. What the loss sees are token
+log-probs: their mean |difference| must stay under 0.05 nats, a 5% change of the PPO
+ratio, a quarter of the clip range (0.2). The loss (a mean of ratio x advantage) then
+moves by at most 0.05 x mean|advantage|, and the gradient's direction must hold
+(cosine similarity >= 0.99, norm within 5%).
+
+--tiny runs every section on a CPU at toy sizes in about two minutes (CI runs it):
+the figures mean nothing there, the code paths are the same. On the lent GPU
+machine, whose image has jax, flax, optax and orbax but lacks a few small pure-Python
+packages, carry them as wheels (`experiments/fetch_device_wheels.sh` writes them to
+`.whl/`) and start with
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+  PYTHONPATH=/tmp/site python3 -m experiments.device_check --out $OUT
+The env section names every package that is still missing.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+from absl import app
+from absl import flags
+
+SECTIONS = ("env", "numerics", "train_step", "memory", "rollouts", "hf_io", "recipe")
+# Seconds each section may take on one H100 (its own limit; the whole check also stops
+# starting sections when --budget_s is spent). With --tiny (a CPU) they are 4x these:
+# a loaded 2-core host is slow too.
+SECTION_LIMIT_S = {"env": 90, "numerics": 150, "train_step": 300, "memory": 150,
+                   "rollouts": 200, "hf_io": 150, "recipe": 300}
+# Python packages the project imports (module name, distribution): the env section
+# lists what is missing.
+PACKAGES = (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("optax", "optax"),
+            ("orbax.checkpoint", "orbax-checkpoint"), ("ml_collections", "ml_collections"),
+            ("absl", "absl-py"), ("numpy", "numpy"), ("safetensors", "safetensors"),
+            ("tokenizers", "tokenizers"), ("sympy", "sympy"), ("math_verify", "math-verify"),
+            ("latex2sympy2_extended", "latex2sympy2_extended"),
+            ("antlr4", "antlr4-python3-runtime"), ("tensorboardX", "tensorboardX"),
+            ("aiohttp", "aiohttp"), ("scipy", "scipy"), ("pyarrow", "pyarrow"),
+            ("matplotlib", "matplotlib"), ("tqdm", "tqdm"), ("filelock", "filelock"))
+ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+            "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
+            "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_DEBUG", "TF_CPP_MIN_LOG_LEVEL")
+
+flags.DEFINE_string("out", "", "directory for device_check.json and device_check.md")
+flags.DEFINE_boolean("tiny", False, "every section at toy sizes on a CPU (CI)")
+flags.DEFINE_list("sections", list(SECTIONS), f"sections to run, from {SECTIONS}")
+flags.DEFINE_integer("layers", 2, "decoder layers of the Qwen3-14B slice", lower_bound=1)
+flags.DEFINE_list("seq_lens", ["8192", "12288"],
+                  "train-step sequence lengths: the first for every attention "
+                  "implementation, the others for the 14B config's own only")
+flags.DEFINE_list("attention_impls", ["chunked", "blockwise", "dot_product"],
+                  "attention implementations timed in the train step (the first is the "
+                  "14B config's)")
+flags.DEFINE_integer("steps", 3, "timed train steps per case, after the compile step",
+                     lower_bound=1)
+flags.DEFINE_integer("slots", 64, "JaxEngine slots in the rollouts section", lower_bound=1)
+flags.DEFINE_float("budget_s", None, "no section starts after this many seconds (default: "
+                   "480 on an accelerator, none with --tiny, whose CPU times mean nothing)")
+flags.DEFINE_list("recipe_overrides", [],
+                  "extra --config.* arguments for the recipe section (e.g. shorter stages)")
+flags.DEFINE_string("scratch", "", "work directory (default: a temporary one, removed)")
+flags.DEFINE_string("xla_cache", os.path.join(tempfile.gettempdir(), "device_check_xla_cache"),
+                    "JAX's persistent compilation cache ('' for none): a re-run on the same "
+                    "machine loads its programs instead of compiling them")
+flags.DEFINE_string("inject_failure", "",
+                    "test hook: SECTION raises at its start, crash:SECTION exits its process "
+                    "at once (to show that the others still run and the failure is recorded)")
+# Internal: the driver runs each section as `--run_section NAME --section_result FILE`.
+flags.DEFINE_string("run_section", "", "internal: run one section in this process")
+flags.DEFINE_string("section_result", "", "internal: where the section writes its JSON")
+flags.DEFINE_string("context", "", "internal: JSON of the sections before (the limits)")
+FLAGS = flags.FLAGS
+
+
+# --- sizes ---------------------------------------------------------------------------------
+
+
+def slice_config(**overrides):
+  """The model the sections run: Qwen3-14B's per-layer shapes with --layers layers, as
+  the 14B recipe config runs it (fp32 master weights, bf16 compute, full remat,
+  chunked attention); the `tiny` preset with --tiny."""
+  from rstar_jax.model import config as model_config
+  base = dict(param_dtype="float32", dtype="bfloat16", remat_policy="full",
+              attention_impl="chunked", attention_chunk=1024)
+  if FLAGS.tiny:
+    base.update(attention_chunk=16)
+    return model_config.get_preset("tiny", **dict(base, **overrides))
+  return model_config.get_preset("qwen3-14b", num_hidden_layers=FLAGS.layers,
+                                 **dict(base, **overrides))
+
+
+def sizes() -> dict[str, Any]:
+  if FLAGS.tiny:
+    return dict(numerics_batch=2, numerics_seq=32, train_seqs=[64, 96], train_batch=1,
+                logprob_chunk=16, slots=min(FLAGS.slots, 8), prompt=16, new_tokens=8,
+                matmul_n=512, bandwidth_mb=64, trajectories=4, think_tokens=8)
+  return dict(numerics_batch=2, numerics_seq=1024, train_seqs=[int(s) for s in FLAGS.seq_lens],
+              train_batch=1, logprob_chunk=512, slots=FLAGS.slots, prompt=512,
+              new_tokens=128, matmul_n=8192, bandwidth_mb=4096, trajectories=16,
+              think_tokens=32)
+
+
+def _check(name: str, value, target: str, met: bool | None, note: str = "") -> dict[str, Any]:
+  """A target: its measured value, the rule, and whether it is met (None: not
+  applicable here, e.g. a GPU target on a CPU)."""
+  return {"name": name, "value": value, "target": target, "met": met, "note": note}
+
+
+def _accelerator() -> bool:
+  import jax
+  return jax.devices()[0].platform != "cpu"
+
+
+def _mesh():
+  import jax
+
+  from rstar_jax import sharding
+  return sharding.make_mesh({"fsdp": len(jax.devices())})
+
+
+def _peak_bytes() -> int | None:
+  import jax
+  stats = jax.devices()[0].memory_stats()
+  return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+# --- sections ------------------------------------------------------------------------------
+
+
+def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
+  del ctx
+  from experiments import roofline
+  from experiments import step_timing
+  import jax
+  out: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                         "hostname": platform.node()}
+  missing = []
+  for module, dist in PACKAGES:
+    try:
+      importlib.import_module(module)
+    except Exception as e:  # an ImportError, or a package that fails on import
+      missing.append({"module": module, "distribution": dist, "error": f"{type(e).__name__}: {e}"})
+  out["missing_packages"] = missing
+  versions = {}
+  for dist in importlib.metadata.distributions():
+    name = dist.metadata["Name"] or ""
+    if name.lower().startswith(("jax", "flax", "optax", "orbax", "ml-dtypes", "ml_dtypes",
+                                "numpy", "nvidia-cudnn", "nvidia-nccl", "torch")):
+      versions[name] = dist.version
+  out["versions"] = dict(sorted(versions.items()))
+  out["env_vars"] = {k: os.environ.get(k) for k in ENV_VARS}
+  out["jax_platforms_config"] = getattr(jax.config, "jax_platforms", None)
+  devices = jax.devices()
+  out["backend"] = jax.default_backend()
+  out["devices"] = []
+  for d in devices:
+    stats = d.memory_stats() or {}
+    out["devices"].append({"id": d.id, "platform": d.platform,
+                           "device_kind": getattr(d, "device_kind", ""),
+                           "bytes_limit": stats.get("bytes_limit"),
+                           "bytes_in_use": stats.get("bytes_in_use")})
+  out["bubblewrap"] = shutil.which("bwrap")
+  smi = shutil.which("nvidia-smi") or shutil.which("rocm-smi")
+  if smi:
+    try:
+      out["smi"] = subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout[-4000:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+      out["smi"] = f"{smi} failed: {e}"
+  # The limits every later section states its figures against.
+  sz = sizes()
+  dtype = "bfloat16"
+  out["matmul_peak_gflops"] = roofline.matmul_peak_gflops(sz["matmul_n"], dtype, repeats=10)
+  out["matmul_peak_dtype_n"] = [dtype, sz["matmul_n"]]
+  out["read_bandwidth_gbs"] = roofline.memory_bandwidth_gbs(sz["bandwidth_mb"], repeats=10)
+  sheet = step_timing.data_sheet(getattr(devices[0], "device_kind", ""))
+  out["data_sheet"] = None if sheet is None else {"bf16_tflops": sheet[0], "hbm_tbs": sheet[1]}
+  checks = [_check("packages the project imports are installed", len(missing), "0 missing",
+                   not missing, ", ".join(m["distribution"] for m in missing))]
+  if _accelerator():
+    checks.append(_check("accelerator backend", out["backend"], "gpu / rocm", True))
+  out["checks"] = checks
+  return out
+
+
+def _loss_and_grads(graphdef, params, batch, chunk: int):
+  """(loss, token log-probs, grads) of the RL trainer's loss on `batch` (one micro-batch)."""
+  import jax
+
+  from rstar_jax.rl import losses, train_step as ts
+
+  def loss_fn(p):
+    lp = ts.sequence_logprobs(graphdef, p, batch["input_ids"], batch["target_ids"],
+                              batch["attention_mask"], chunk=chunk)
+    norm = losses.LossNormalizer.from_mask(batch["loss_mask"])
+    loss, _ = losses.ppo_loss(lp, batch["old_logp"], batch["advantages"], batch["loss_mask"],
+                              config=losses.LossConfig(), normalizer=norm)
+    return loss, lp
+  (loss, lp), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  return loss, lp, grads
+
+
+def section_numerics(ctx: dict[str, Any]) -> dict[str, Any]:
+  del ctx
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from experiments import step_timing
+  from rstar_jax.model import qwen3
+
+  sz = sizes()
+  cfg32 = slice_config(dtype="float32", remat_policy="none")
+  cfg16 = slice_config(remat_policy="none")
+  model = qwen3.create_model(cfg32, seed=0)
+  graphdef32, params = nnx.split(model)
+  graphdef16, _ = nnx.split(qwen3.abstract_model(cfg16))
+  del model
+  b, t = sz["numerics_batch"], sz["numerics_seq"]
+  batch = step_timing.random_batch(cfg32.vocab_size, b, t, row_multiple=1, length_multiple=8)
+  # Old log-probs near the policy's own (a ratio near 1, as in training): the fp32
+  # policy's log-probs plus noise of 0.1 nats.
+  rng = np.random.RandomState(1)
+  tokens = jnp.asarray(batch["input_ids"])
+
+  def logits_of(graphdef):
+    return np.asarray(qwen3.forward_logits(nnx.merge(graphdef, params), tokens), np.float64)
+
+  l32, l16 = logits_of(graphdef32), logits_of(graphdef16)
+  rel_l2 = float(np.linalg.norm(l16 - l32) / np.linalg.norm(l32))
+  argmax_agree = float(np.mean(l16.argmax(-1) == l32.argmax(-1)))
+  _, lp32, _ = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
+  batch = dict(batch, old_logp=np.asarray(lp32) + 0.1 * rng.randn(*lp32.shape).astype(np.float32))
+  loss32, lp32, g32 = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
+  loss16, lp16, g16 = _loss_and_grads(graphdef16, params, batch, sz["logprob_chunk"])
+  mask = batch["loss_mask"] > 0
+  lp_diff = float(np.abs(np.asarray(lp16) - np.asarray(lp32))[mask].mean())
+  adv_scale = float(np.abs(batch["advantages"]).mean())
+  loss_diff = abs(float(loss16) - float(loss32))
+  flat32 = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(g32)])
+  flat16 = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(g16)])
+  n32, n16 = np.linalg.norm(flat32), np.linalg.norm(flat16)
+  cosine = float(flat32 @ flat16 / (n32 * n16))
+  norm_rel = float(abs(n16 - n32) / n32)
+  checks = [
+      _check("logits rel. L2 error, bf16 vs fp32", rel_l2, "<= 2e-2", rel_l2 <= 2e-2),
+      _check("token log-prob mean |diff| (nats)", lp_diff, "<= 0.05", lp_diff <= 0.05),
+      _check("GRPO-RoC loss |diff| / mean|advantage|", loss_diff / adv_scale, "<= 0.05",
+             loss_diff <= 0.05 * adv_scale),
+      _check("gradient cosine similarity", cosine, ">= 0.99", cosine >= 0.99),
+      _check("gradient norm rel. diff", norm_rel, "<= 0.05", norm_rel <= 0.05),
+  ]
+  return {"batch": b, "seq": t, "num_params": cfg32.num_params, "logits_rel_l2": rel_l2,
+          "logits_argmax_agreement": argmax_agree,
+          "logits_max_abs_diff": float(np.abs(l16 - l32).max()),
+          "logits_std": float(l32.std()), "logprob_mean_abs_diff": lp_diff,
+          "loss_fp32": float(loss32), "loss_bf16": float(loss16), "loss_abs_diff": loss_diff,
+          "advantage_mean_abs": adv_scale, "grad_norm_fp32": float(n32),
+          "grad_norm_bf16": float(n16), "grad_cosine": cosine, "checks": checks}
+
+
+def _peaks(ctx: dict[str, Any], n_dev: int) -> dict[str, float]:
+  """GFLOP/s of the whole mesh: measured (env section) and the data sheet's."""
+  env = ctx.get("env", {})
+  peaks = {}
+  if env.get("matmul_peak_gflops"):
+    peaks["measured"] = env["matmul_peak_gflops"] * n_dev
+  if env.get("data_sheet"):
+    peaks["data_sheet"] = env["data_sheet"]["bf16_tflops"] * 1e3 * n_dev
+  return peaks
+
+
+def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
+  from experiments import step_timing
+  from rstar_jax.train import step as core
+
+  sz = sizes()
+  mesh = _mesh()
+  n_dev = mesh.devices.size
+  peaks = _peaks(ctx, n_dev)
+  impls = list(FLAGS.attention_impls)
+  own = impls[0]
+  cases = [(impl, sz["train_seqs"][0]) for impl in impls]
+  cases += [(own, s) for s in sz["train_seqs"][1:]]
+  rows = core.batch_multiple(1, mesh)
+  batch_n = max(sz["train_batch"], rows)
+  runs = []
+  for impl, seq in cases:
+    run: dict[str, Any] = {"attention_impl": impl, "seq": seq, "batch": batch_n}
+    t0 = time.perf_counter()
+    try:
+      cfg = slice_config(attention_impl=impl)
+      batch = step_timing.random_batch(cfg.vocab_size, batch_n, seq, row_multiple=rows,
+                                       length_multiple=64 if not FLAGS.tiny else 8)
+      timing = step_timing.time_train_step(cfg, mesh, batch=batch, steps=FLAGS.steps,
+                                           logprob_chunk=sz["logprob_chunk"],
+                                           compiled_text=True)
+      run.update(step_timing.as_dict(timing, peaks), ok=True, peak_bytes=_peak_bytes())
+    except Exception as e:  # e.g. out of memory at 12288: the other cases still count
+      run.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+    run["seconds"] = time.perf_counter() - t0
+    runs.append(run)
+    print(f"train_step {impl} seq {seq}: " + (
+        f"{1e3 * run['median_s']:.1f} ms, MFU {run['mfu']}" if run["ok"] else run["error"][:300]),
+        flush=True)
+  by = {(r["attention_impl"], r["seq"]): r for r in runs if r["ok"]}
+  seq0 = sz["train_seqs"][0]
+  accel = _accelerator()
+  checks = []
+  main = by.get((own, seq0))
+  mfu = main["mfu"].get("data_sheet") if main else None
+  checks.append(_check(f"MFU of the data sheet's bf16 peak, {own}, seq {seq0}", mfu, ">= 0.45",
+                       None if mfu is None or not accel else mfu >= 0.45,
+                       "" if accel else "CPU: no data sheet peak"))
+  dpa, blk = by.get(("dot_product", seq0)), by.get(("blockwise", seq0))
+  if dpa and blk:
+    speed = blk["median_s"] / dpa["median_s"]
+    scale = max(abs(blk["loss"][0]), 1e-6)
+    loss_rel = abs(dpa["loss"][0] - blk["loss"][0]) / scale
+    cudnn = any("cudnn" in c.lower() for c in dpa["hlo_custom_calls"])
+    checks.append(_check("dot_product speed / blockwise speed", speed, ">= 1.0",
+                         speed >= 1.0 if accel else None,
+                         f"cuDNN fused attention {'in' if cudnn else 'NOT in'} the step"))
+    checks.append(_check("dot_product loss vs blockwise, rel. diff", loss_rel, "<= 2e-2",
+                         loss_rel <= 2e-2))
+  else:
+    checks.append(_check("dot_product speed / blockwise speed", None, ">= 1.0", False,
+                         "a run failed"))
+  failed = [f"{r['attention_impl']}@{r['seq']}" for r in runs if not r["ok"]]
+  checks.append(_check("train-step cases that ran", len(runs) - len(failed), f"{len(runs)}",
+                       not failed, ", ".join(failed)))
+  return {"num_params": slice_config().num_params, "mesh": dict(mesh.shape), "peaks_gflops": peaks,
+          "runs": runs, "checks": checks}
+
+
+def section_memory(ctx: dict[str, Any]) -> dict[str, Any]:
+  del ctx
+  import jax
+
+  from experiments import plan_memory as pm
+  from experiments import step_timing
+  from rstar_jax.train import step as core
+
+  sz = sizes()
+  mesh = _mesh()
+  cfg = slice_config()
+  seq = sz["train_seqs"][0]
+  rows = core.batch_multiple(1, mesh)
+  case = pm.PlanCase(preset="tiny" if FLAGS.tiny else "qwen3-14b",
+                     num_hidden_layers=None if FLAGS.tiny else FLAGS.layers,
+                     mesh=(("fsdp", mesh.devices.size),), seq_len=seq, micro_batch=1,
+                     micro_batches=1, remat_policy=cfg.remat_policy,
+                     attention_impl=cfg.attention_impl, attention_chunk=cfg.attention_chunk,
+                     param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                     logprob_chunk=sz["logprob_chunk"], compute_entropy=True)
+  assert case.model_config() == cfg, (case.model_config(), cfg)
+  out: dict[str, Any] = {"case": {k: v for k, v in vars(case).items()}}
+  # The plan for this device (its own compiler) and the one a CPU host makes.
+  plans = {}
+  for name, devices, options in (("this_device", jax.devices(), None),
+                                 ("cpu_host", jax.devices("cpu"), pm.FAST_COMPILE_OPTIONS)):
+    try:
+      est = pm.plan(case, devices=devices, compiler_options=options)
+      plans[name] = {"peak_bytes": est.peak_bytes, "temp_bytes": est.temp_bytes,
+                     "argument_bytes": est.argument_bytes, "state_bytes": est.state_bytes,
+                     "compile_s": est.compile_seconds}
+    except Exception as e:
+      plans[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+  out["plans"] = plans
+  batch = step_timing.random_batch(cfg.vocab_size, rows, seq, row_multiple=rows,
+                                   length_multiple=64 if not FLAGS.tiny else 8)
+  timing = step_timing.time_train_step(cfg, mesh, batch=batch, steps=1,
+                                       logprob_chunk=sz["logprob_chunk"])
+  measured = _peak_bytes()
+  out.update(measured_peak_bytes=measured, step_s=timing.median_s)
+  checks = []
+  for name in ("this_device", "cpu_host"):
+    planned = plans[name].get("peak_bytes")
+    ratio = measured / planned if measured and planned else None
+    out[f"measured_over_plan_{name}"] = ratio
+    if name == "this_device":
+      checks.append(_check("measured peak / AOT plan (this device)", ratio, "within 0.85..1.15",
+                           None if ratio is None else abs(ratio - 1) <= 0.15,
+                           "" if measured else "the backend reports no peak bytes"))
+  out["checks"] = checks
+  return out
+
+
+def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
+  import asyncio
+
+  import jax
+  import numpy as np
+
+  from experiments.scripted_rollouts import TimedTools, ToolCallingEngine
+  from rstar_jax.data import toy_task
+  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.rollout import chat
+  from rstar_jax.rollout.agent_loop import AgentConfig, run_many
+  from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
+  from rstar_jax.rollout.scheduler import EnginePool
+  from rstar_jax.rollout.tools import SandboxTools
+  from sandbox.launcher import running_server
+
+  sz = sizes()
+  env = ctx.get("env", {})
+  out: dict[str, Any] = {}
+  # (1) prefill and decode of the slice at `slots` slots, weights in bf16 as a rollout
+  # server holds them (a decode step reads every weight once: bytes set its time).
+  cfg = slice_config(param_dtype="bfloat16", remat_policy="none")
+  model = qwen3.create_model(cfg, seed=0)
+  slots, p, n = sz["slots"], sz["prompt"], sz["new_tokens"]
+  max_len = 1 << (p + n).bit_length()
+  ecfg = EngineConfig(num_slots=slots, max_len=max_len, prefill_batch_tokens=slots * p)
+  engine = JaxEngine(model, ecfg)
+  rng = np.random.RandomState(0)
+
+  def generate(seed):
+    reqs = [GenerationRequest(input_ids=rng.randint(0, cfg.vocab_size, p).tolist(),
+                              max_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0,
+                              seed=seed * 1000 + i) for i in range(slots)]
+    before = dict(engine.metrics)
+    t = time.perf_counter()
+    outs = engine.generate_sync(reqs)
+    wall = time.perf_counter() - t
+    if sum(len(o.output_ids) for o in outs) != slots * n:
+      raise RuntimeError("the engine returned fewer tokens than asked for")
+    return wall, {k: engine.metrics[k] - before.get(k, 0) for k in engine.metrics}
+
+  first_wall, _ = generate(0)   # compiles the prefill and decode shapes
+  wall, m = generate(1)
+  engine.stop()
+  decode_step_s = m["decode_s"] / max(m["decode_steps"], 1)
+  # Fewest bytes a decode step must read: every weight once (bf16) and the k/v of the
+  # filled positions (prompt + half the new tokens on average), across every slot.
+  weight_bytes = cfg.num_params * 2 - cfg.vocab_size * cfg.hidden_size * 2  # no embed table
+  kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+              * slots * (p + n // 2))
+  step_bytes = weight_bytes + kv_bytes
+  bw = env.get("read_bandwidth_gbs")
+  roofline_s = step_bytes / (bw * 1e9) if bw else None
+  sheet = env.get("data_sheet")
+  sheet_s = step_bytes / (sheet["hbm_tbs"] * 1e12) if sheet else None
+  out["engine"] = {
+      "slots": slots, "prompt": p, "new_tokens": n, "max_len": max_len,
+      "num_params": cfg.num_params, "first_run_s": first_wall, "wall_s": wall,
+      "prefill_s": m["prefill_s"], "prefill_calls": m["prefill_calls"],
+      "prefill_tokens_per_s": slots * p / m["prefill_s"] if m["prefill_s"] else None,
+      "decode_s": m["decode_s"], "decode_steps": m["decode_steps"],
+      "decode_step_s": decode_step_s, "decode_tokens_per_s": slots / decode_step_s,
+      "decode_step_bytes": step_bytes, "read_bandwidth_gbs": bw,
+      "roofline_step_s": roofline_s, "roofline_fraction": roofline_s / decode_step_s
+      if roofline_s else None,
+      "data_sheet_roofline_fraction": sheet_s / decode_step_s if sheet_s else None}
+  del engine, model
+  checks = []
+  frac = out["engine"]["roofline_fraction"]
+  checks.append(_check("decode step / HBM roofline (measured bandwidth)", frac, ">= 0.5",
+                       None if frac is None or not _accelerator() else frac >= 0.5,
+                       "" if _accelerator() else "CPU"))
+  # (2) multi-turn rollouts through the agent loop, the sandbox and the tool protocol.
+  tok = toy_task.train_toy_tokenizer(1024)
+  proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
+  small = model_config.get_preset("tiny" if FLAGS.tiny else "small", vocab_size=tok.vocab_size,
+                                  dtype="bfloat16")
+  engine = JaxEngine(qwen3.create_model(small, seed=1), EngineConfig(num_slots=16, max_len=512))
+  k = sz["trajectories"]
+  problems = toy_task.generate_problems(k, seed=3)
+  uids = [f"p{i}" for i in range(k)]
+  calls = {u: tok.encode(chat.assistant_text({"content": "", "tool_calls": [{
+      "name": toy_task.TOY_TOOL_NAME, "arguments": {"code": pr.code}}]}))
+           for u, pr in zip(uids, problems)}
+  scripted = ToolCallingEngine(EnginePool([engine]), calls, calls_per_traj=2,
+                               think_tokens=sz["think_tokens"], vocab_size=small.vocab_size)
+  weak = shutil.which("bwrap") is None
+  try:
+    with running_server(max_children=4, pool_size=2, allow_weak_isolation=weak) as url:
+      tools = TimedTools(SandboxTools(url, timeout_s=30.0))
+
+      async def go():
+        try:
+          return await run_many(scripted, tools, proto, list(zip(uids, (pr.problem for pr in problems))),
+                                AgentConfig(max_turns=4, max_response_tokens=256),
+                                seeds=list(range(k)))
+        finally:
+          await tools.inner.aclose()
+      t = time.perf_counter()
+      trajs = asyncio.run(go())
+      wall = time.perf_counter() - t
+  finally:
+    engine.stop()
+  n_calls = sum(tr.num_tool_calls for tr in trajs)
+  n_err = sum(tr.num_tool_errors for tr in trajs)
+  out["agent"] = {"trajectories": len(trajs), "tool_calls": n_calls, "tool_errors": n_err,
+                  "wall_s": wall, "weak_isolation": weak,
+                  "tool_latency_ms_median": float(np.median(tools.latencies) * 1e3)
+                  if tools.latencies else None,
+                  "finish_reasons": sorted({tr.finish_reason for tr in trajs})}
+  # Every trajectory's first two calls are scripted (its problem's code: they must
+  # run); the random model may write more calls of its own in its free last turn,
+  # which may well fail.
+  checks.append(_check("tool calls that ran without error (2 scripted per trajectory)",
+                       f"{n_calls - n_err} of {n_calls}", f">= {2 * k}",
+                       n_calls - n_err >= 2 * k,
+                       "sandbox with --allow-weak-isolation (no bubblewrap)" if weak else ""))
+  out["checks"] = checks
+  jax.clear_caches()
+  return out
+
+
+def section_hf_io(ctx: dict[str, Any]) -> dict[str, Any]:
+  del ctx
+  from flax import nnx
+  import jax
+  import numpy as np
+
+  from rstar_jax.model import hf_io, qwen3
+
+  cfg = slice_config(remat_policy="none")
+  model = qwen3.create_model(cfg, seed=0)
+  where = tempfile.mkdtemp(prefix="device_check_hf_", dir=_scratch())
+  try:
+    t = time.perf_counter()
+    hf_io.save_hf(model, where, dtype="bfloat16")
+    save_s = time.perf_counter() - t
+    nbytes = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where)
+                 if f.endswith(".safetensors"))
+    t = time.perf_counter()
+    loaded = hf_io.load_hf(where, mesh=_mesh(), param_dtype="float32", dtype="bfloat16")
+    jax.block_until_ready(nnx.split(loaded)[1])
+    load_s = time.perf_counter() - t
+    # The loaded weights are the exported ones: the originals rounded to bf16.
+    import ml_dtypes
+    a = nnx.split(model)[1]
+    b = nnx.split(loaded)[1]
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      ref = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+      worst = max(worst, float(np.abs(ref - np.asarray(y, np.float32)).max()))
+  finally:
+    shutil.rmtree(where, ignore_errors=True)
+  return {"bytes": nbytes, "save_s": save_s, "load_s": load_s,
+          "save_gbs": nbytes / save_s / 1e9, "load_gbs": nbytes / load_s / 1e9,
+          "max_abs_diff_vs_bf16_rounded": worst,
+          "checks": [_check("loaded weights == exported (bf16-rounded) weights", worst, "== 0",
+                            worst == 0.0)]}
+
+
+def section_recipe(ctx: dict[str, Any]) -> dict[str, Any]:
+  del ctx
+  workdir = tempfile.mkdtemp(prefix="device_check_recipe_", dir=_scratch())
+  env = dict(os.environ)
+  weak = shutil.which("bwrap") is None
+  if weak:
+    env["SANDBOX_ALLOW_WEAK_ISOLATION"] = "1"
+    print("recipe: bubblewrap is missing: the sandbox runs with --allow-weak-isolation "
+          "(rlimits only, no namespaces)", flush=True)
+  cmd = [sys.executable, "-m", "experiments.recipe",
+         "--config=experiments/configs/toy.py:smoke", f"--config.workdir={workdir}",
+         *FLAGS.recipe_overrides]
+  t = time.perf_counter()
+  run = subprocess.run(cmd, cwd=_repo(), env=env, capture_output=True, text=True)
+  wall = time.perf_counter() - t
+  out: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": run.returncode,
+                         "wall_s": wall, "weak_isolation": weak}
+  final = os.path.join(workdir, "eval_final.json")
+  if os.path.exists(final):
+    with open(final) as f:
+      report = json.load(f)
+    out["eval_final"] = {k: v for k, v in report.items() if not isinstance(v, (list, dict))}
+  if run.returncode != 0:
+    out["output_tail"] = (run.stdout[-2000:] + "\n" + run.stderr[-3000:])
+  shutil.rmtree(workdir, ignore_errors=True)
+  out["checks"] = [_check("toy recipe (smoke) exits 0", run.returncode, "0",
+                          run.returncode == 0, "weak isolation" if weak else "")]
+  return out
+
+
+SECTION_FNS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "env": section_env, "numerics": section_numerics, "train_step": section_train_step,
+    "memory": section_memory, "rollouts": section_rollouts, "hf_io": section_hf_io,
+    "recipe": section_recipe}
+assert tuple(SECTION_FNS) == SECTIONS
+
+
+# --- driver --------------------------------------------------------------------------------
+
+
+def _repo() -> str:
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_SCRATCH: list[str] = []
+
+
+def _scratch() -> str:
+  """--scratch, or a temporary directory made once per driver (its children get it)."""
+  if FLAGS.scratch:
+    os.makedirs(FLAGS.scratch, exist_ok=True)
+    return FLAGS.scratch
+  if not _SCRATCH:
+    _SCRATCH.append(tempfile.mkdtemp(prefix="device_check_"))
+  return _SCRATCH[0]
+
+
+def _commit() -> str | None:
+  try:
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_repo(),
+                         capture_output=True, text=True, timeout=10)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=_repo(), capture_output=True, text=True, timeout=10).stdout
+    return run.stdout.strip() + ("+dirty" if dirty.strip() else "") if run.returncode == 0 else None
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+
+
+def _run_one_section(name: str) -> None:
+  """Child process: runs section `name`, writes its JSON (figures or the error)."""
+  ctx = {}
+  if FLAGS.context and os.path.exists(FLAGS.context):
+    with open(FLAGS.context) as f:
+      ctx = json.load(f)
+  from rstar_jax import compile_cache
+  if FLAGS.xla_cache:
+    compile_cache.enable(FLAGS.xla_cache)
+  t = time.perf_counter()
+  try:
+    if FLAGS.inject_failure == name:
+      raise RuntimeError(f"failure injected into section {name!r} (--inject_failure)")
+    if FLAGS.inject_failure == f"crash:{name}":   # a process that dies without a word
+      os._exit(3)
+    result = {"ok": True, **SECTION_FNS[name](ctx)}
+  except Exception as e:
+    result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000],
+              "traceback": traceback.format_exc()[-6000:]}
+  result["seconds"] = time.perf_counter() - t
+  with open(FLAGS.section_result, "w") as f:
+    json.dump(result, f, indent=1, default=_json_default)
+
+
+def _json_default(x):
+  try:
+    return float(x)
+  except (TypeError, ValueError):
+    return str(x)
+
+
+def _forwarded_flags() -> list[str]:
+  names = ("tiny", "layers", "seq_lens", "attention_impls", "steps", "slots",
+           "recipe_overrides", "inject_failure", "xla_cache")
+  args = []
+  for name in names:
+    value = FLAGS[name].value
+    if isinstance(value, bool):
+      args.append(f"--{name}" if value else f"--no{name}")
+    elif isinstance(value, list):
+      args.append(f"--{name}={','.join(value)}")
+    else:
+      args.append(f"--{name}={value}")
+  return args + [f"--scratch={_scratch()}"]
+
+
+def run_check() -> dict[str, Any]:
+  unknown = [s for s in FLAGS.sections if s not in SECTIONS]
+  if unknown:
+    raise app.UsageError(f"--sections: unknown {unknown}; known: {list(SECTIONS)}")
+  os.makedirs(FLAGS.out, exist_ok=True)
+  started = time.perf_counter()
+  report: dict[str, Any] = {
+      "schema": 1, "benchmark": "device_check",
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "commit": _commit(), "command": " ".join(["python -m experiments.device_check"]
+                                               + sys.argv[1:]),
+      "tiny": FLAGS.tiny, "load_average": list(os.getloadavg()), "sections": {}}
+  budget = FLAGS.budget_s if FLAGS.budget_s is not None else (1e9 if FLAGS.tiny else 480.0)
+  context_path = os.path.join(_scratch(), "context.json")
+  for name in SECTIONS:
+    if name not in FLAGS.sections:
+      continue
+    left = budget - (time.perf_counter() - started)
+    if left <= 5:
+      report["sections"][name] = {"ok": False, "skipped": True, "seconds": None,
+                                  "wall_s": 0.0,
+                                  "error": f"not started: --budget_s {budget:g} spent"}
+      continue
+    # On a CPU (--tiny) a loaded 2-core host may run several times slower than a quiet
+    # one: the limits only catch hangs there.
+    limit = min(SECTION_LIMIT_S[name] * (4 if FLAGS.tiny else 1), left)
+    result_path = os.path.join(_scratch(), f"section_{name}.json")
+    if os.path.exists(result_path):
+      os.remove(result_path)
+    with open(context_path, "w") as f:
+      json.dump({k: v for k, v in report["sections"].items()}, f, default=_json_default)
+    cmd = [sys.executable, "-m", "experiments.device_check", f"--run_section={name}",
+           f"--section_result={result_path}", f"--context={context_path}",
+           *_forwarded_flags()]
+    print(f"[device_check] {name}: started (limit {limit:.0f} s)", flush=True)
+    t = time.perf_counter()
+    try:
+      run = subprocess.run(cmd, cwd=_repo(), capture_output=True, text=True, timeout=limit)
+      rc, stdout, stderr = run.returncode, run.stdout, run.stderr
+    except subprocess.TimeoutExpired as e:
+      rc = None
+      stdout = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+      stderr = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    wall = time.perf_counter() - t
+    if os.path.exists(result_path):
+      with open(result_path) as f:
+        result = json.load(f)
+    else:   # killed by its limit, a crash (segfault, OOM kill) or a failed import
+      why = (f"timed out after {limit:.0f} s" if rc is None
+             else f"the section's process exited {rc} without a result")
+      result = {"ok": False, "error": why, "seconds": None}
+    result["wall_s"] = wall
+    if not result["ok"]:
+      result["output_tail"] = (stdout[-1500:] + "\n" + stderr[-3000:]).strip()
+    report["sections"][name] = result
+    print(f"[device_check] {name}: {'ok' if result['ok'] else 'FAILED: ' + result['error'][:300]}"
+          f" ({wall:.0f} s)", flush=True)
+  report["total_s"] = time.perf_counter() - started
+  report["checks"] = [dict(c, section=name) for name, r in report["sections"].items()
+                      for c in r.get("checks", [])]
+  report["failed_sections"] = [n for n, r in report["sections"].items() if not r["ok"]]
+  env = report["sections"].get("env", {})
+  report["device"] = (env.get("devices") or [{}])[0].get("device_kind") if env.get("ok") else None
+  return report
+
+
+def _fmt(v) -> str:
+  if v is None:
+    return "n/a"
+  if isinstance(v, bool):
+    return str(v)
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  return str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+  """The report as a markdown table of sections and targets."""
+  lines = [f"# Device check, {report['date']}",
+           "", f"- device: {report.get('device')}; commit {report.get('commit')}; "
+           f"{'--tiny (CPU sizes)' if report['tiny'] else 'full sizes'}; total "
+           f"{report['total_s']:.0f} s", f"- command: `{report['command']}`", "",
+           "| section | ok | seconds | error |", "|---|---|---|---|"]
+  for name, r in report["sections"].items():
+    err = (r.get("error") or "").splitlines()[0][:160] if not r["ok"] else ""
+    lines.append(f"| {name} | {'yes' if r['ok'] else 'NO'} | {r.get('wall_s', 0):.0f} | "
+                 f"{err.replace('|', '/')} |")
+  lines += ["", "| section | check | value | target | met | note |", "|---|---|---|---|---|---|"]
+  for c in report["checks"]:
+    met = {True: "met", False: "MISSED", None: "n/a"}[c["met"]]
+    lines.append(f"| {c['section']} | {c['name']} | {_fmt(c['value'])} | {c['target']} | "
+                 f"{met} | {c['note']} |")
+  ts = report["sections"].get("train_step", {})
+  if ts.get("runs"):
+    lines += ["", "| attention | seq | step ms | tokens/s | MFU (measured peak) | "
+              "MFU (data sheet) | kernels |", "|---|---|---|---|---|---|---|"]
+    for r in ts["runs"]:
+      if r["ok"]:
+        kernels = ", ".join(c for c in r["hlo_custom_calls"] if "cudnn" in c.lower()
+                            or "triton" in c.lower()) or "-"
+        lines.append(f"| {r['attention_impl']} | {r['seq']} | {1e3 * r['median_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {_fmt(r['mfu'].get('measured'))} | "
+                     f"{_fmt(r['mfu'].get('data_sheet'))} | {kernels} |")
+      else:
+        lines.append(f"| {r['attention_impl']} | {r['seq']} | failed: "
+                     f"{r['error'].splitlines()[0][:120]} | | | | |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if FLAGS.run_section:
+    _run_one_section(FLAGS.run_section)
+    return
+  if not FLAGS.out:
+    raise app.UsageError("--out DIR is required")
+  scratch_given = bool(FLAGS.scratch)
+  try:
+    report = run_check()
+  finally:
+    if not scratch_given:
+      shutil.rmtree(_scratch(), ignore_errors=True)
+  with open(os.path.join(FLAGS.out, "device_check.json"), "w") as f:
+    json.dump(report, f, indent=1, default=_json_default)
+  text = markdown(report)
+  with open(os.path.join(FLAGS.out, "device_check.md"), "w") as f:
+    f.write(text)
+  print(text)
+  print(f"written: {os.path.join(FLAGS.out, 'device_check.json')} and device_check.md")
+
+
+if __name__ == "__main__":
+  app.run(main)
