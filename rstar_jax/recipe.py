@@ -420,7 +420,8 @@ def run_sft(ctx: Context, model):
 
 
 def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
-  """Training problems the current policy does not solve k out of k (SPEC.md sec. 5).
+  """Training problems the current policy does not solve k out of k (the
+  rStar2-Agent report's stage 3, "Multi-Stage RL Training": 8 of 8).
 
   Kept in <workdir>/<stage>/hard_subset.json with what made it (k, pool, seed, agent
   settings, the model it was filtered with): a resumed stage reuses it, anything else

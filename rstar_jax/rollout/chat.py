@@ -1,7 +1,7 @@
 """The rStar2-Agent chat and tool-call protocol, on token ids.
 
 Qwen chat format with Hermes-style tools, as in the public release's chat template
-(SPEC section 2):
+(microsoft/rStar, rstar2_agent/config/rstar2_agent_trainer.yaml):
 
   <|im_start|>system
   {system prompt}
