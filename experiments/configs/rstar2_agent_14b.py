@@ -8,7 +8,7 @@ address, process count and id; or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
 JAX_PROCESS_ID; under SLURM nothing), with rollouts on SGLang servers
 (`--config.rollout.backend=sglang --config.rollout.servers=...`) and sandbox servers in
 --config.tools.urls. `experiments/slurm/rstar2_14b.sbatch` and
-`python -m experiments.launch_cluster` start the whole fleet (WORKSPACE.md, "Cluster guide").
+`python -m experiments.launch_cluster` start the whole fleet (docs/guides/cluster.md).
 """
 from rstar_jax import config_utils as cu
 from rstar_jax import recipe

@@ -28,7 +28,7 @@ ids this module returns; earlier text is never re-tokenized. `render_conversatio
 renders SFT messages through exactly the same functions, so SFT and RL see the same
 token boundaries and the same loss masks.
 
-Decisions (documented in WORKSPACE.md):
+Decisions (see docs/architecture.md):
 - `<reason>` is re-opened in every generation prompt, also after tool responses
   (`reopen_reason=True`), as the release's template does (its agent loop appends the
   template's generation prompt after each tool turn). A released checkpoint therefore
