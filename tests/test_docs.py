@@ -144,8 +144,12 @@ def _check_python(args: list[str], where: str) -> None:
     assert config_spec, f"{where}: --config.* overrides without --config"
   if config_spec:
     from rstar_jax import config_utils
+    from rstar_jax import sweep
     config = _config(config_spec)   # raises ConfigError naming what is wrong
     config_utils.check_overrides(overrides + swept, config)
+    for a in overrides:   # and the value reads under the field's type, as the entry point reads it
+      key, _, text = a[len("--config."):].partition("=")
+      sweep._child_reads(config, key, text)
 
 
 def module_or(args: list[str]) -> str:
@@ -228,6 +232,7 @@ def test_the_checker_catches_what_it_should():
       "python -m experiments.recipe --config experiments/configs/no_such.py",
       "python -m experiments.recipe --config experiments/configs/toy.py --config.stage1.no_such_key=1",
       "python -m experiments.recipe --config experiments/configs/toy.py --no_such_flag=1",
+      "python -m experiments.recipe --config experiments/configs/toy.py --config.stage1.num_steps=five",
       "python -m experiments.sweep --config experiments/configs/toy.py --workdir /tmp/x --sweep rl.nope=1,2",
       "pip install -r requirements-nope.txt",
       "papermill notebooks/99_nope.ipynb out.ipynb",
