@@ -1,7 +1,7 @@
 r"""python -m experiments.record_sglang --url http://127.0.0.1:30000 --out /tmp/sglang_0.5.23_qwen3.jsonl
 
 Records real request/response pairs of an SGLang server (run it on the GPU host next to
-a server launched as WORKSPACE.md says), through our own client
+a server launched as docs/guides/rollout_servers_and_sglang.md says), through our own client
 (`rstar_jax.rollout.sglang_engine`), one JSON line per HTTP exchange:
 {"route", "request", "status", "reply"}. Commit the file under
 tests/rollout/recordings/ and `tests/rollout/test_sglang_recordings.py` replays it on

@@ -3,7 +3,7 @@ r"""python -m experiments.toy_sft_curve --config experiments/configs/toy.py --ev
 How fast the toy's SFT teaches the model to copy numbers: a learning curve.
 
 The toy's bottleneck is copying: operands from the problem into the code, and the
-printed result into the answer (see WORKSPACE.md, "Toy recipe"). This runs exactly
+printed result into the answer (see docs/guides/toy_recipe.md). This runs exactly
 the recipe's SFT stage (same data, trainer and config; any `--config.sft.*` or
 `--config.model.*` override applies) in a temporary directory and, every `--every`
 steps, scores held-out CLEAN traces by teacher forcing on their digit tokens (the

@@ -2,7 +2,8 @@
 
 The answer is the LAST `\\boxed{}` inside the last `<answer>...</answer>` block (the whole
 response when there is no `<answer>` tag); `normalize_answer` / `parse_integer` are the light
-normalisation the strict integer comparison uses. SPEC.md sections 3-4; the reward itself
+normalisation the strict integer comparison uses (the rStar2-Agent report: outcome reward
+on integer answers, compared strictly); the reward itself
 (integer or math-verify comparison) is `rstar_jax.rl.rewards`.
 """
 from __future__ import annotations

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import logging
 import sys
 import types
 import typing
@@ -264,6 +265,7 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
   unknown override keys are named before flag parsing, and a config error or an
   interrupted run ends with one clear line instead of a traceback."""
   from rstar_jax.train import interrupt
+  from sandbox.launcher import SandboxUnavailable
 
   doc = (sys.modules["__main__"].__doc__ or "").strip().splitlines()
   # The docstring's launch command (big_vision style), wherever it sits in the text.
@@ -299,9 +301,17 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
     except ConfigError as e:
       print(f"config error: {e}", file=sys.stderr)
       sys.exit(2)
+    except SandboxUnavailable as e:   # no bubblewrap, say: what to install, no traceback
+      print(f"cannot run on this machine: {e}", file=sys.stderr)
+      sys.exit(2)
     except interrupt.Interrupted as e:
       print(f"interrupted: {e}", file=sys.stderr)
       sys.exit(128 + e.signum)
 
+  # absl shows INFO logs; these two of JAX's greet every run and mean nothing here: "Unable
+  # to initialize backend 'tpu'" (JAX tries every plugin it knows, then takes the CPU or GPU)
+  # and the compile cache's "Resetting cache at <empty>".
+  for name in ("jax._src.xla_bridge", "jax._src.compilation_cache"):
+    logging.getLogger(name).setLevel(logging.WARNING)
   app.run(wrapped, flags_parser=parser)
 

@@ -12,7 +12,7 @@ SCHEDULES = ("warmup_constant", "warmup_cosine")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-  """Defaults are the report's RL settings (SPEC.md section 3)."""
+  """Defaults are the rStar2-Agent report's RL settings (arXiv 2508.20722, training details)."""
   learning_rate: float = 1e-6
   warmup_steps: int = 20
   # Warm-up as a share of total_steps instead (the report's SFT: 4%); the SFT trainer

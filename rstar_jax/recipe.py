@@ -420,7 +420,8 @@ def run_sft(ctx: Context, model):
 
 
 def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
-  """Training problems the current policy does not solve k out of k (SPEC.md sec. 5).
+  """Training problems the current policy does not solve k out of k (the
+  rStar2-Agent report's stage 3, "Multi-Stage RL Training": 8 of 8).
 
   Kept in <workdir>/<stage>/hard_subset.json with what made it (k, pool, seed, agent
   settings, the model it was filtered with): a resumed stage reuses it, anything else
@@ -731,6 +732,8 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
                                    "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
+  if distributed.is_main():   # a sandbox that cannot start here: said before any work
+    tools_lib.check_local_sandbox(cfg.tools)
   with workdir_lock(_make_workdir(cfg.workdir)):
     return _run_locked(cfg, stages)
 
@@ -833,6 +836,8 @@ def evaluate_hf_dir(config, hf_dir: str):
     raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
   _check_files(cfg)
   _check_eval_data(cfg, "--hf_dir")
+  if distributed.is_main():
+    tools_lib.check_local_sandbox(cfg.tools)
   workdir = _make_workdir(cfg.workdir)
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
     tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)

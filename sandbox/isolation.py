@@ -231,11 +231,25 @@ network isolation and no fork-bomb containment."""
 
 def choose(isolation: str, allow_weak: bool = False) -> Backend:
   """'auto' takes bwrap when it works; anything weaker needs `allow_weak`."""
+  backend, warning = _select(isolation, allow_weak)
+  if warning:
+    _warn(warning)
+  return backend
+
+
+def check(isolation: str = "auto", allow_weak: bool = False) -> None:
+  """Raises the RuntimeError `choose` would raise, without starting or warning anything:
+  lets a launcher refuse in its own process, naming the fix, before it spawns a server."""
+  _select(isolation, allow_weak)
+
+
+def _select(isolation: str, allow_weak: bool) -> tuple[Backend, str | None]:
+  """The backend and the warning that taking it deserves (None for bwrap)."""
   if isolation == "bwrap" or isolation == "auto":
     backend = get("bwrap")
     why = backend.probe()
     if why is None:
-      return backend
+      return backend, None
     if isolation == "bwrap":
       raise RuntimeError(f"isolation 'bwrap' is not available: {why}")
     if not allow_weak:
@@ -244,8 +258,7 @@ def choose(isolation: str, allow_weak: bool = False) -> Backend:
           "Install it (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora: dnf install "
           "bubblewrap) and run as root, or start with --allow-weak-isolation to run model code "
           "with weaker isolation.\n" + WEAK)
-    _warn(f"bubblewrap isolation unavailable: {why}")
-    return get("rlimits")
+    return get("rlimits"), f"bubblewrap isolation unavailable: {why}"
   backend = get(isolation)
   why = backend.probe()
   if why is not None:
@@ -253,8 +266,7 @@ def choose(isolation: str, allow_weak: bool = False) -> Backend:
   if not allow_weak:
     raise RuntimeError(f"isolation {isolation!r} is weaker than bubblewrap; start with "
                        f"--allow-weak-isolation to accept that.\n" + WEAK)
-  _warn(f"{isolation} isolation was asked for")
-  return backend
+  return backend, f"{isolation} isolation was asked for"
 
 
 def _warn(why: str) -> None:

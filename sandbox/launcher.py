@@ -24,11 +24,20 @@ import urllib.error
 import urllib.request
 from typing import Iterator, Sequence
 
+from sandbox import isolation as isolation_lib
 from sandbox.isolation import PKG_DIR
 
 _REPO_ROOT = os.path.dirname(PKG_DIR)
 # No proxies, ever: the server is on this machine.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+WEAK_ENV = "SANDBOX_ALLOW_WEAK_ISOLATION"
+
+
+class SandboxUnavailable(RuntimeError):
+  """The local sandbox server cannot run here (no bubblewrap, a refused setting) or did
+  not come up; the message says why, in the server's own words where it gave any."""
 
 
 def free_port() -> int:
@@ -84,6 +93,34 @@ def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
       os.kill(pid, signal.SIGKILL)
 
 
+def check_can_start(isolation: str = "auto", allow_weak_isolation: bool | None = None) -> None:
+  """Raises SandboxUnavailable when `running_server` with these settings would be refused:
+  the server would refuse in the same words, but only once spawned; this says it in the
+  caller's process, before anything starts, with how to accept weaker isolation from here.
+  allow_weak_isolation None reads SANDBOX_ALLOW_WEAK_ISOLATION=1."""
+  if allow_weak_isolation is None:
+    allow_weak_isolation = os.environ.get(WEAK_ENV, "") == "1"
+  try:
+    isolation_lib.check(isolation, allow_weak_isolation)
+  except RuntimeError as e:
+    raise SandboxUnavailable(
+        f"the sandbox server cannot start here: {e}\n"
+        f"To accept the weaker isolation for a run started from Python (the recipe, tests, "
+        f"notebooks), set {WEAK_ENV}=1 in its environment; it passes --allow-weak-isolation "
+        f"to the server.") from None
+
+
+def _server_error(log_text: str) -> str:
+  """The server's own last words: from its last `sandbox.server:` line (how it reports a
+  refusal, see sandbox/server.py) or its traceback, else the log's tail."""
+  lines = log_text.rstrip().splitlines()
+  for marker in ("sandbox.server: ", "Traceback (most recent call last):"):
+    starts = [i for i, line in enumerate(lines) if line.startswith(marker)]
+    if starts:
+      return "\n".join(lines[starts[-1]:])[-3000:]
+  return "\n".join(lines)[-3000:] or "(it wrote nothing)"
+
+
 @contextlib.contextmanager
 def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str = "auto",
                    extra_args: Sequence[str] = (), startup_timeout: float = 120.0,
@@ -98,7 +135,8 @@ def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str 
   None reads the environment variable SANDBOX_ALLOW_WEAK_ISOLATION=1.
   """
   if allow_weak_isolation is None:
-    allow_weak_isolation = os.environ.get("SANDBOX_ALLOW_WEAK_ISOLATION", "") == "1"
+    allow_weak_isolation = os.environ.get(WEAK_ENV, "") == "1"
+  check_can_start(isolation, allow_weak_isolation)
   weak = ["--allow-weak-isolation"] if allow_weak_isolation else []
   own_log = log_path is None
   if own_log:
@@ -108,6 +146,7 @@ def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str 
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH")) if p)
   proc = None
   try:
+    exit_code = None
     for _ in range(3):  # the free port may be taken between our probe and the server's bind
       port = free_port()
       url = f"http://127.0.0.1:{port}"
@@ -124,18 +163,21 @@ def running_server(*, max_children: int = 8, pool_size: int = 2, isolation: str 
         time.sleep(0.1)
       if proc.poll() is None and health(url) is not None:
         break
-      exited = proc.poll() is not None
+      exit_code = proc.poll()
       _kill_tree(proc, 5.0)
       proc = None
       with open(log_path, "rb") as f:
         busy = b"address already in use" in f.read()[-4000:].lower()
-      if exited and not busy:
-        break  # it refused to start (e.g. no bubblewrap): trying other ports will not help
+      if exit_code is not None and not busy:
+        break  # it refused to start: trying other ports will not help
     if proc is None:
       with open(log_path, "rb") as f:
-        tail = f.read()[-3000:].decode(errors="replace")
-      raise RuntimeError(f"sandbox server did not start (or not become healthy within "
-                         f"{startup_timeout} s); log tail:\n{tail}")
+        log_text = f.read().decode(errors="replace")
+      if exit_code is not None:
+        raise SandboxUnavailable(f"the sandbox server exited at start (exit code {exit_code}): "
+                                 f"{_server_error(log_text)}")
+      raise SandboxUnavailable(f"the sandbox server did not become healthy within "
+                               f"{startup_timeout} s; log tail:\n{log_text[-3000:]}")
     yield url
   finally:
     if proc is not None:

@@ -7,8 +7,8 @@ running cluster (`--config.cluster.ray_address=auto`). Run the toy recipe's SFT 
 (`python -m experiments.recipe --config experiments/configs/toy.py --stages=sft
 --config.workdir=/tmp/rstar_toy`); stage 1 then continues in that work directory.
 
-For the 64-MI300X layout see WORKSPACE.md ("Cluster guide"): the same section with
-sandbox_servers=8, rollout_servers=16 (backend sglang, 4 GPUs each), trainer_processes=4.
+For the 64-MI300X layout see docs/guides/cluster.md: the same section with
+sandbox_servers=4, rollout_servers=32 (backend sglang, 1 GPU each), trainer_processes=4.
 """
 import ml_collections
 

@@ -2,13 +2,13 @@ r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.p
 
 rStar2-Agent-14B: the report's recipe for Qwen3-14B-Base on 64 accelerators.
 
-Numbers are SPEC.md's (the report's) unless marked. Multi-host: the same command on
+Numbers are the rStar2-Agent report's unless marked. Multi-host: the same command on
 every trainer host, one process each, joined by `config.distributed` (coordinator
 address, process count and id; or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
 JAX_PROCESS_ID; under SLURM nothing), with rollouts on SGLang servers
 (`--config.rollout.backend=sglang --config.rollout.servers=...`) and sandbox servers in
 --config.tools.urls. `experiments/slurm/rstar2_14b.sbatch` and
-`python -m experiments.launch_cluster` start the whole fleet (WORKSPACE.md, "Cluster guide").
+`python -m experiments.launch_cluster` start the whole fleet (docs/guides/cluster.md).
 """
 from rstar_jax import config_utils as cu
 from rstar_jax import recipe
@@ -60,7 +60,7 @@ def get_config():
   # Only problems the policy does not solve 8/8 (17.3K of 42K), optimizer reset, 15 turns.
   c.stage3 = s(recipe.RLStage, num_steps=125, hard_only=True, hard_k=8, reset_optimizer=True,
                agent=dict(agent, max_response_tokens=12_288, max_turns=15))
-  # pass@1 averaged over 16 samples. The eval temperature is not stated in SPEC.md;
+  # pass@1 averaged over 16 samples. The eval temperature is not stated in the report;
   # 1.0 (the training temperature) is our choice, and every report prints it.
   c.eval = s(recipe.EvalStage, after_sft=False, k=16,
              agent=dict(max_turns=15, max_response_tokens=12_288, temperature=1.0, top_p=1.0))

@@ -28,7 +28,7 @@ def get_config(variant: str = ""):
   # 2 layers x 128 (4 heads of 64, tied embeddings): the task's bottleneck is copying
   # numbers (problem -> code, output -> answer), an induction-head skill that a 2-layer
   # model forms after ~300-400 SFT steps. Head dims 32 / 64 / 128 were compared with the
-  # copy probe that experiments/toy_sft_curve.py runs (WORKSPACE.md, "Toy recipe"): 64
+  # copy probe that experiments/toy_sft_curve.py runs (docs/guides/toy_recipe.md): 64
   # copies best per second of SFT. vocab_size stays None: the tokenizer's.
   c.model = s(recipe.model_config.ModelConfig, preset="small", hidden_size=128,
               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +47,7 @@ def get_config(variant: str = ""):
                 engine=dict(num_slots=64, max_len=384))
 
   # ~2000 steps of 12 x 320 packed tokens (~9.5 min on a 2-core host whose matmul peak is
-  # ~210 GFLOP/s; 7 epochs took 18m51s end to end there, WORKSPACE.md). 10,000 distinct traces
+  # ~210 GFLOP/s; 7 epochs took 18m51s end to end there). 10,000 distinct traces
   # (not 4,000 seen more often): every number chunk is a rare token, and copying must
   # generalise to chunks it has hardly seen. The traces run up to 258 tokens (median 150):
   # rows of 320 pack them 92% full, rows of 288 only 76% (two median traces do not

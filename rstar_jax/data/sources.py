@@ -110,7 +110,8 @@ class DataConfig:
   """Attributes:
     kind: "toy" (generated problems) or "files" (JSONL / Parquet math data).
     train_files / eval_files: data files (kind "files"), see `math_data.load_math_problems`.
-    integer_only: keep training problems with integer answers only (SPEC.md section 5).
+    integer_only: keep training problems with integer answers only (the
+      rStar2-Agent report, "RL Data Curation").
     on_error: "raise" on a malformed row, or "skip" (counted and reported).
     toy: the toy task's settings (kind "toy").
   """

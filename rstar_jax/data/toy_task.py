@@ -4,7 +4,7 @@ Problems are integer arithmetic a small model cannot do in its head but can with
 Python call: products, sums, modular powers and digit sums of 2-5 digit numbers,
 at difficulty levels 1..NUM_LEVELS (more digits, more terms).
 
-SFT traces are chat messages in the rStar2 format (SPEC section 2): the assistant
+SFT traces are chat messages in the rStar2 format (the release's chat template): the assistant
 reasons after the generation prompt's `<reason>`, calls the Python tool, reads the
 executor's output, then writes `</reason> <answer> \\boxed{N} </answer>`. A
 configurable share of traces is noisy, the behaviour GRPO-RoC is meant to clean up:

@@ -1,7 +1,8 @@
 """Evaluation runs: k sampled trajectories per problem (the RL rollout collector), scored.
 
 Sampling is explicit (temperature is a required argument and is printed in every
-report): the release's eval script sampled greedily by default (SPEC.md section 6).
+report): the release's eval script sampled greedily by default (microsoft/rStar's evaluation
+scripts).
 """
 from __future__ import annotations
 

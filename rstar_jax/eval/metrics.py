@@ -4,17 +4,17 @@ Input: one `SampleRecord` per sampled trajectory (k per problem). Output: an
 `EvalReport` holding
 
 * pass@1 averaged over the k samples (the mean over problems of the per-problem
-  mean reward: the number the rStar2 report quotes, SPEC section 6);
+  mean reward: the number the rStar2-Agent report quotes, over 16 samples);
 * pass@k for several k with the unbiased estimator of Chen et al. 2021
   ("Evaluating Large Language Models Trained on Code"), `1 - C(n-c, k) / C(n, k)`,
   computed as a product so that it never forms huge binomials;
 * mean response length (tokens), tool calls per trajectory, tool error rate
   (errors / calls) over all trajectories and inside correct ones (the statistic
-  GRPO-RoC is meant to drive down, SPEC section 3), share of truncated
+  GRPO-RoC is meant to drive down, the report's Fig. 4), share of truncated
   trajectories, and a per-problem breakdown.
 
 The report's sampling temperature is a required field and is printed in the table
-header: the public release's evaluation silently sampled greedily (SPEC section 6),
+header: the public release's evaluation silently sampled greedily by default,
 and a pass@1 "averaged over k samples" of greedy decoding is just one sample k times.
 
 `unsolved_problems` gives the recipe's stage-3 subset: the problems the current

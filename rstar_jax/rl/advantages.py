@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (SPEC.md section 3), computed after down-sampling.
+"""Group-relative advantage estimators (rStar2-Agent report, GRPO-RoC), after down-sampling.
 
 Each estimator maps the rewards of ONE prompt group (the kept G rollouts) to one advantage
 per rollout; the loss broadcasts it over the rollout's tokens.

@@ -1,4 +1,4 @@
-"""Clip-higher PPO objective of GRPO-RoC (SPEC.md section 3): pure, jit-able jax.numpy.
+"""Clip-higher PPO objective of GRPO-RoC (rStar2-Agent report): pure, jit-able jax.numpy.
 
 Per token (to MINIMISE; rho = exp(logp_new - logp_old), A the advantage):
   l = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
@@ -14,7 +14,7 @@ constant, so the micro-batch losses, their gradients, and every metric not liste
 sum / max). Without a normaliser the call's own mask is used (the batch is the full batch).
 
 Aggregations (registry `AGGREGATIONS`, picked by `LossConfig.aggregation`):
-  token-mean:              sum_{i,t} l_it / (mask tokens in the full batch)      (SPEC.md)
+  token-mean:              sum_{i,t} l_it / (mask tokens in the full batch)      (the report)
   seq-mean-token-mean:     sum_i mean_t l_it / (sequences in the full batch)
   seq-mean-token-sum-norm: sum_{i,t} l_it / (max_response_len * sequences)   (Dr. GRPO)
 A "sequence" is a row with at least one mask token, so all-padding rows (added to even out
@@ -96,7 +96,7 @@ class LossConfig:
     dual_clip_c: None (report) or c > 1, e.g. 3 (release / verl), bound on negative-A tokens.
     aggregation: a registered aggregation (see the module docstring).
     max_response_len: the constant of seq-mean-token-sum-norm (required for it).
-    kl_coef: weight of KL(new || ref); 0 (default, SPEC.md) means no reference needed.
+    kl_coef: weight of KL(new || ref); 0 (default: the report uses no KL) means no reference needed.
     kl_estimator: "k1", "k2" or "k3" (k3 clamped to [-10, 10] as verl's low_var_kl).
     log_ratio_clamp: |log rho| is clamped here before exp, as verl does, so one wild token
       cannot overflow.
@@ -289,7 +289,7 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
 
 def logprob_diff_metrics(trainer_logp: Array, sampler_logp: Array, mask: Array,
                          normalizer: LossNormalizer | None = None) -> dict[str, Array]:
-  """Sampler-vs-trainer log-prob gap over the mask (SPEC.md section 8).
+  """Sampler-vs-trainer log-prob gap over the mask (the two disagree through precision and kernels).
 
   Returns logp_diff_mean_abs (token mean over the full batch, sums over micro-batches) and
   logp_diff_max_abs (combine micro-batches by max).

@@ -1,6 +1,6 @@
 """Outcome reward: 1 if the final `\\boxed{}` answer matches the reference, else 0.
 
-SPEC.md sections 3-4. The answer is the LAST `\\boxed{...}` of the final answer: inside the
+rStar2-Agent report (GRPO-RoC). The answer is the LAST `\\boxed{...}` of the final answer: inside the
 last `<answer>...</answer>` block when the response has an `<answer>` tag (a boxed value
 written earlier in the reasoning does not count then), else anywhere in the response.
 
@@ -126,7 +126,7 @@ def is_correct(answer: str | None, reference: str | int,
 
 def compute_reward(response_text: str, reference: str | int, *, truncated: bool,
                    timeout_s: int | None = DEFAULT_TIMEOUT_S) -> float:
-  """Outcome reward in {0.0, 1.0}; truncated trajectories get 0 (kept, SPEC.md section 3).
+  """Outcome reward in {0.0, 1.0}; truncated trajectories get 0 (kept, as the report does).
 
   Args:
     response_text: the decoded response (all turns; the answer is taken from the end).

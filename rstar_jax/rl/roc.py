@@ -1,6 +1,6 @@
 """Down-samplers from 2G rollouts per prompt to G: Resample-on-Correct and baselines.
 
-SPEC.md section 3 (GRPO-RoC). Per prompt group, rollouts split into positives (reward > 0)
+rStar2-Agent report, GRPO-RoC. Per prompt group, rollouts split into positives (reward > 0)
 and negatives. RoC keeps about half of the G slots for negatives, drawn uniformly (variety
 of failure modes), and fills the rest with positives drawn WITHOUT replacement, each draw
 proportional to 1 / p_total among the positives not yet drawn, where
@@ -26,7 +26,7 @@ option for comparison.
 `positive_selection="topk"` is the public release instead: counts in proportion to the
 pos/neg split (round-half-even of n_pos * G / N for positives, the rest negatives), at least
 `topk_min_per_side` (2) of each side when available, the lowest-penalty positives first
-(ties in rollout order), negatives in rollout order (SPEC.md; the release's code actually
+(ties in rollout order), negatives in rollout order (one reading; the release's code actually
 sorts negatives by penalty too: `topk_negative_order="penalty"`).
 
 Baselines for ablations: "uniform" (plain GRPO with oversampling: G uniformly at random) and
@@ -107,7 +107,7 @@ class RolloutStats:
 
 
 def error_penalty(s: RolloutStats) -> float:
-  """p_err: fraction of tool calls that errored; 0.5 without any tool call (SPEC.md)."""
+  """p_err: fraction of tool calls that errored; 0.5 without any tool call (the report's rule)."""
   if s.num_tool_calls == 0:
     return 0.5
   return s.num_tool_errors / s.num_tool_calls
@@ -162,7 +162,7 @@ class DownsampleConfig:
     use_format_penalty: include p_format in p_total (ablation switch).
     drop_equal_reward_groups: keep nothing from a group whose rewards are all equal.
     topk_min_per_side: "topk": at least this many positives and negatives when available.
-    topk_negative_order: "topk": negatives in "rollout" order (SPEC.md) or lowest "penalty"
+    topk_negative_order: "topk": negatives in "rollout" order (one reading) or lowest "penalty"
       first (what the release's code does).
   """
   method: str = "roc"

@@ -3,7 +3,8 @@
 `rstar_jax.train.step` holds the state, micro-batching and jit; this module adds the
 policy's log-probs and the PPO loss. Each micro-batch is normalised by the FULL
 batch's token count (`LossNormalizer`), so splitting a batch never changes the loss
-or the gradient (SPEC.md section 8).
+or the gradient (a per-micro-batch token mean would change the loss scale with the
+micro-batch count).
 
 Batch layout (all [N, T] unless noted; N = micro_batches x micro_batch_size):
   input_ids       tokens fed to the model (prompt + response, right-padded)

@@ -3,14 +3,16 @@
 Per trajectory we keep the prompt ids and, after it, every response id with a loss
 mask (1 = sampled by the model, with the sampler's log-prob; 0 = tool output and
 template tokens we inserted). Earlier turns are never re-tokenized from text: the
-next request's input is exactly prompt + all response ids so far (SPEC.md section 8).
+next request's input is exactly prompt + all response ids so far (re-tokenizing decoded
+text does not give back the sampled ids, and drops the separators between turns).
 
 Stops:
   * the model ends a turn without a tool call ("stop"),
   * `max_turns` assistant turns were used and it still wants a tool ("max_turns"),
   * the response budget (model + tool tokens) runs out ("length"). A tool turn that
     would not fit is dropped, so the last turn is always the model's.
-"max_turns" and "length" trajectories are marked truncated (reward 0, SPEC.md sec. 3).
+"max_turns" and "length" trajectories are marked truncated (reward 0, kept: the
+rStar2-Agent report, GRPO-RoC).
 A request the engine could not serve (`RequestFailed`: a malformed reply, an abort, a
 timeout) ends its trajectory as "error" (`failed`, `error` says why); the others go on.
 """

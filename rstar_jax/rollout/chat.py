@@ -1,7 +1,7 @@
 """The rStar2-Agent chat and tool-call protocol, on token ids.
 
 Qwen chat format with Hermes-style tools, as in the public release's chat template
-(SPEC section 2):
+(microsoft/rStar, rstar2_agent/config/rstar2_agent_trainer.yaml):
 
   <|im_start|>system
   {system prompt}
@@ -28,7 +28,7 @@ ids this module returns; earlier text is never re-tokenized. `render_conversatio
 renders SFT messages through exactly the same functions, so SFT and RL see the same
 token boundaries and the same loss masks.
 
-Decisions (documented in WORKSPACE.md):
+Decisions (see docs/architecture.md):
 - `<reason>` is re-opened in every generation prompt, also after tool responses
   (`reopen_reason=True`), as the release's template does (its agent loop appends the
   template's generation prompt after each tool turn). A released checkpoint therefore

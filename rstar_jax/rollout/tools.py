@@ -118,3 +118,13 @@ def _sandbox(cfg: ToolsConfig) -> Iterator[SandboxTools]:
   with running_server(max_children=cfg.local_max_children) as url:
     logging.info("started a local sandbox server at %s", url)
     yield SandboxTools([url], **kw)
+
+
+def check_local_sandbox(cfg: ToolsConfig) -> None:
+  """Raises sandbox.launcher.SandboxUnavailable, naming the fix, when `build_tools(cfg)`
+  would start a local sandbox server that cannot run here (no bubblewrap, and weaker
+  isolation not accepted): callers check this before the work that ends in rollouts."""
+  if cfg.backend != "sandbox" or cfg.urls:
+    return
+  from sandbox.launcher import check_can_start
+  check_can_start()

@@ -202,7 +202,7 @@ def test_microbatch_invariance_of_loss_grad_and_metrics(mode, kl):
 
 
 def test_per_microbatch_token_mean_is_not_invariant():
-  # The pitfall the normaliser exists for (SPEC.md section 8): a local token mean differs.
+  # The pitfall the normaliser exists for (loss scale under accumulation): local token means differ.
   new, old, adv, mask, _, _ = _batch(seed=5)
   full, _ = losses.ppo_loss(new, old, adv, mask)
   local = sum(losses.ppo_loss(new[s:e], old[s:e], adv[s:e], mask[s:e])[0]

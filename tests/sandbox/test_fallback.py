@@ -104,6 +104,51 @@ def test_weak_isolation_needs_the_flag():
   assert "--allow-weak-isolation" in p.stderr
 
 
+def test_the_launcher_without_bubblewrap_refuses_at_once_naming_the_fix(monkeypatch):
+  """A fresh machine's first run: no bwrap on PATH, weak isolation not asked for. The
+  launcher says why and how to fix it, without spawning a server: a huge start-up timeout
+  shows it did not wait for one."""
+  import subprocess
+  import sys
+  from sandbox.launcher import SandboxUnavailable
+  monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+  monkeypatch.delenv("SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
+  spawned = []
+  real_popen = subprocess.Popen
+
+  def popen(cmd, *a, **kw):
+    if "sandbox.server" in cmd:
+      spawned.append(cmd)
+    return real_popen(cmd, *a, **kw)
+
+  monkeypatch.setattr(subprocess, "Popen", popen)
+  with pytest.raises(SandboxUnavailable) as e:
+    with running_server(max_children=2, pool_size=0, startup_timeout=10**6):
+      pass
+  message = str(e.value)
+  assert spawned == []
+  assert "bwrap is not installed" in message
+  assert "apt-get install -y bubblewrap" in message
+  assert "SANDBOX_ALLOW_WEAK_ISOLATION=1" in message and "--allow-weak-isolation" in message
+  assert "world-readable" in message   # what the weaker isolation gives up
+  assert "healthy" not in message
+
+
+def test_a_server_that_exits_at_start_is_reported_in_its_own_words():
+  """The server refuses a setting the launcher does not check: its exit ends the wait (the
+  start-up timeout is far beyond any run), and the error is the server's own message."""
+  from sandbox.launcher import SandboxUnavailable
+  with pytest.raises(SandboxUnavailable) as e:
+    with running_server(max_children=2, pool_size=0, isolation="rlimits",
+                        allow_weak_isolation=True, startup_timeout=10**6,
+                        extra_args=["--memory-mb", "-5"]):
+      pass
+  message = str(e.value)
+  assert message.startswith("the sandbox server exited at start (exit code 1): sandbox.server: ")
+  assert "memory" in message
+  assert "healthy" not in message
+
+
 def test_fallback_closes_network_shm_and_daemon_holes():
   if os.geteuid() != 0:
     pytest.skip("the fallback closes these holes only as root")

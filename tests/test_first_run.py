@@ -1,0 +1,36 @@
+"""A fresh machine's first run: the README's main command without bubblewrap stops at once
+with what to install and the switch that runs without it, before any work or workdir."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_recipe_without_bubblewrap_stops_before_any_work_naming_the_fix(tmp_path):
+  workdir = tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k != "SANDBOX_ALLOW_WEAK_ISOLATION"}
+  env["PATH"] = str(tmp_path / "empty")   # no bwrap to find (the interpreter is absolute)
+  p = subprocess.run([sys.executable, "-m", "experiments.recipe", "--config",
+                      "experiments/configs/toy.py:smoke", f"--config.workdir={workdir}"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 2, p.stderr
+  assert "cannot run on this machine: the sandbox server cannot start here" in p.stderr
+  assert "apt-get install -y bubblewrap" in p.stderr
+  assert "SANDBOX_ALLOW_WEAK_ISOLATION=1" in p.stderr
+  assert "Traceback" not in p.stderr
+  assert "Unable to initialize backend" not in p.stderr   # JAX's start-up noise is quiet
+  assert not workdir.exists()   # refused before the workdir, the tokenizer, any compile
+
+
+def test_pyproject_states_the_python_this_runs_on():
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  assert project["name"] == "rstar-jax"
+  assert project["requires-python"] == ">=3.11"
+  assert sys.version_info >= (3, 11)
+  # The requirements files stay the one source of the environment's exact pins.
+  assert "dependencies" not in project
