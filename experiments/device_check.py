@@ -96,8 +96,8 @@ PACKAGES = (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("optax", "o
             ("antlr4", "antlr4-python3-runtime"), ("tensorboardX", "tensorboardX"),
             ("aiohttp", "aiohttp"), ("scipy", "scipy"), ("pyarrow", "pyarrow"),
             ("matplotlib", "matplotlib"), ("tqdm", "tqdm"), ("filelock", "filelock"))
-ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
-            "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
+ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
+            "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
             "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_DEBUG", "TF_CPP_MIN_LOG_LEVEL")
 
 flags.DEFINE_string("out", "", "directory for device_check.json and device_check.md")
