@@ -12,7 +12,8 @@ Math problems come in several public layouts; every row is normalised to one
   `Problem`/`Answer`/`ID` or `question`/`answer`/`id`, and rows with only a
   `solution` from which the last `\\boxed{...}` is taken as the answer.
 
-Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows) and `.parquet`.
+Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows), `.parquet` and
+`.csv` (a header row; GPQA's release format).
 A malformed row gives a `DataError` naming the file, the row (1-based line for
 JSONL, 1-based row for Parquet and JSON arrays) and the field. With
 `on_error="skip"` such rows are skipped, counted and the first few reasons are
@@ -234,8 +235,29 @@ def _read_parquet(path: pathlib.Path) -> Iterator[_Read]:
                     f"({type(e).__name__}: {e})") from e
 
 
+def _read_csv(path: pathlib.Path) -> Iterator[_Read]:
+  """A CSV file with a header row (GPQA's release format); row 1 is the first data row.
+  Cells are strings; an empty cell is None, as Parquet pads a missing value."""
+  import csv
+  try:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+      reader = csv.DictReader(f)
+      for row_no, row in enumerate(reader, start=1):
+        if None in row:   # more cells than the header names
+          yield row_no, None, RowError(str(path), row_no, "row", None,
+                                       f"{len(row[None])} cell(s) more than the header's "
+                                       f"{len(reader.fieldnames or ())} columns")
+          continue
+        yield row_no, {k: (v if v != "" else None) for k, v in row.items()}, None
+  except UnicodeDecodeError as e:
+    raise DataError(path=path, message=f"not UTF-8 ({e.reason} at byte {e.start})") from None
+  except csv.Error as e:
+    raise DataError(path=path, message=f"malformed CSV ({e})") from e
+
+
 _READERS: dict[str, tuple[Callable[[pathlib.Path], Iterator[_Read]], str]] = {
     ".jsonl": (_read_jsonl, "line"),
+    ".csv": (_read_csv, "row"),
     ".jsonl.gz": (_read_jsonl, "line"),
     ".json": (_read_json_array, "row"),
     ".parquet": (_read_parquet, "row"),
@@ -276,6 +298,16 @@ def _uid_prefixes(paths: Sequence[pathlib.Path]) -> dict[pathlib.Path, str]:
   out = {p: str(rel[p].with_name(p.stem)) if counts[p.stem] > 1 else p.stem for p in paths}
   clash = collections.Counter(out.values())
   return {p: str(rel[p]) if clash[v] > 1 else v for p, v in out.items()}
+
+
+def load_rows(paths: PathLike | Sequence[PathLike],
+              parse: Callable[[dict, str, pathlib.Path, int], T], *, on_error: str = "raise",
+              max_reported: int = 5, what: str = "data") -> LoadResult[T]:
+  """Every row of every file (JSONL, JSON, Parquet, CSV) through
+  `parse(row, default_uid, path, row_no)`, which raises `FieldError` on a bad row: the
+  loader for a layout of one's own, with the same errors (file, row, field) and
+  `on_error` as `load_math_problems`."""
+  return _load_rows(paths, parse, on_error, max_reported, what)
 
 
 def _load_rows(paths: PathLike | Sequence[PathLike],
@@ -355,6 +387,10 @@ def _answer_field(value: Any, field: str) -> str:
   if not value.strip():
     raise FieldError(field, "empty answer")
   return value.strip()
+
+
+# For layouts defined elsewhere (rstar_jax/eval/benchmarks.py): the same checks and messages.
+text_field, answer_field = _text_field, _answer_field
 
 
 def _first_key(row: Mapping[str, Any], keys: Sequence[str]) -> str | None:
