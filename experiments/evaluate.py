@@ -56,8 +56,9 @@ def _stop_on_sigterm():
   signal.signal(signal.SIGTERM, handler)
 
 
-def run_suite(config, hf_dir: str):
+def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   """The --suite run; returns the SuiteResult."""
+  import contextlib
   import dataclasses
 
   from rstar_jax import recipe
@@ -67,26 +68,27 @@ def run_suite(config, hf_dir: str):
   from rstar_jax.rollout import tools as tools_lib
 
   cfg = recipe.build_config(config)
-  if not _BENCHMARKS.value:
+  if not benchmark_spec:
     raise config_utils.ConfigError(
         "--suite needs --benchmarks=NAME=PATH,... (the local file of each benchmark; "
         f"registered: {', '.join(benchmarks.REGISTRY)})")
   try:
-    given = benchmarks.parse_spec(_BENCHMARKS.value)
-    eval_cfg = suite.protocol(_PROTOCOL.value, cfg.eval)
+    given = benchmarks.parse_spec(benchmark_spec)
+    eval_cfg = suite.protocol(protocol, cfg.eval)
     for bench, path in given:   # said now, not after the model has loaded
       benchmarks.load(bench, path)
   except ValueError as e:
     raise config_utils.ConfigError(str(e)) from None
-  if cfg.rollout.backend == "jax" and eval_cfg.agent.max_response_tokens >= cfg.rollout.engine.max_len:
+  budget, max_len = eval_cfg.agent.max_response_tokens, cfg.rollout.engine.max_len
+  if cfg.rollout.backend == "jax" and budget >= max_len:
     raise config_utils.ConfigError(
-        f"protocol {_PROTOCOL.value}: {eval_cfg.agent.max_response_tokens} response tokens do "
-        f"not fit config.rollout.engine.max_len={cfg.rollout.engine.max_len} (prompt + "
-        "response); raise it, or generate on SGLang servers (--config.rollout.backend=sglang)")
-  if not os.path.exists(os.path.join(hf_dir, "config.json")):
-    raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")
-  if not os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
-    raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no tokenizer.json beside the weights")
+        f"protocol {protocol}: {budget} response tokens do not fit "
+        f"config.rollout.engine.max_len={max_len} (prompt + response); raise it, or generate "
+        "on SGLang servers (--config.rollout.backend=sglang --config.rollout.servers=...)")
+  for name in ("config.json", "tokenizer.json"):
+    if not os.path.exists(os.path.join(hf_dir, name)):
+      raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no {name} (not a HF export with "
+                                     "its tokenizer)")
   names = [b.name for b, _ in given]
   not_run = [n for n in benchmarks.REPORT_SUITE if n not in names]
   workdir = os.path.abspath(cfg.workdir)
@@ -96,23 +98,25 @@ def run_suite(config, hf_dir: str):
   key = {"model": hf_dir, "weights": recipe._dir_stamp(hf_dir),
          "tools": [cfg.tools.backend, cfg.tools.timeout_s],
          "chat": dataclasses.asdict(cfg.chat)}
-  with recipe.workdir_lock(workdir), tools_lib.build_tools(cfg.tools) as tools:
-    engines = None
-    try:
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(recipe.workdir_lock(workdir))
+    tools = stack.enter_context(tools_lib.build_tools(cfg.tools))
+
+    def engines():
       if cfg.rollout.backend == "jax":
         from rstar_jax.model import hf_io
         model = hf_io.load_hf(hf_dir, mesh=cfg.mesh.make(), rules=cfg.mesh.logical_rules(),
                               **recipe.runtime_overrides(cfg))
-        engines = backends.build_engine_pool(cfg.rollout, model, workdir=workdir)
+        pool = backends.build_engine_pool(cfg.rollout, model, workdir=workdir)
       else:   # the servers serve --hf_dir themselves: no weights to load or push here
-        engines = backends.build_engine_pool(cfg.rollout, None, workdir=workdir)
-      return suite.run_suite(engines, tools, proto, tok, given, eval_cfg,
-                             out_dir=os.path.join(workdir, "suite"), seed=cfg.seed,
-                             protocol_name=_PROTOCOL.value, key=key, model_source=hf_dir,
-                             not_run=not_run)
-    finally:
-      if engines is not None:
-        engines.stop()
+        pool = backends.build_engine_pool(cfg.rollout, None, workdir=workdir)
+      stack.callback(pool.stop)
+      return pool
+
+    return suite.run_suite(engines, tools, proto, tok, given, eval_cfg,
+                           out_dir=os.path.join(workdir, "suite"), seed=cfg.seed,
+                           protocol_name=protocol, key=key, model_source=hf_dir,
+                           not_run=not_run)
 
 
 def main(argv):
@@ -123,7 +127,8 @@ def main(argv):
       raise config_utils.ConfigError("--suite evaluates a checkpoint: give --hf_dir")
     _stop_on_sigterm()
     try:
-      result = run_suite(_CONFIG.value, os.path.abspath(_HF_DIR.value))
+      result = run_suite(_CONFIG.value, os.path.abspath(_HF_DIR.value),
+                         benchmark_spec=_BENCHMARKS.value, protocol=_PROTOCOL.value)
     except KeyboardInterrupt:
       signum = _STOPPED_BY[0]
       print(f"evaluation stopped by {signal.Signals(signum).name}; the finished trajectories "

@@ -30,7 +30,7 @@ import json
 import os
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import numpy as np
@@ -265,7 +265,7 @@ def run_benchmark(engine, tools, proto, tokenizer, bench: bench_lib.Benchmark,
   return report, trajs
 
 
-def run_suite(engine, tools, proto, tokenizer,
+def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
               given: Sequence[tuple[bench_lib.Benchmark, str]], cfg: eval_lib.EvalConfig, *,
               out_dir: str, seed: int, protocol_name: str, key: Any = None,
               model_source: str = "", not_run: Sequence[str] = (), progress: bool = True,
@@ -273,9 +273,18 @@ def run_suite(engine, tools, proto, tokenizer,
   """Every benchmark in `given` (loaded first: a missing or broken file is said before any
   generation), one after the other, then the table in `out_dir` (suite.md, suite.json).
 
-  `key`: what else decides the results (the model, the tool settings); a journal or a
-  finished benchmark made with another key is not reused."""
+  `engine`: called once, when the first benchmark needs generating (a suite whose
+  benchmarks are all finished loads no model). `key`: what else decides the results (the
+  model, the tool settings); a journal or a finished benchmark made with another key is
+  not reused."""
   os.makedirs(out_dir, exist_ok=True)
+  engines = []
+
+  def generator():
+    if not engines:
+      engines.append(engine())
+    return engines[0]
+
   loaded = [(b, path, bench_lib.load(b, path, seed=shuffle_seed)) for b, path in given]
   total = sum(len(ps) for _, _, ps in loaded) * cfg.k
   results, done_trajs, started = [], 0, time.monotonic()
@@ -298,7 +307,7 @@ def run_suite(engine, tools, proto, tokenizer,
       print(f"[{i + 1}/{len(loaded)}] {b.name}: {len(problems)} problems x {cfg.k} samples "
             f"from {path}")
       report, trajs = run_benchmark(
-          engine, tools, proto, tokenizer, b, problems, cfg, stream=stream_of(seed, b.name),
+          generator(), tools, proto, tokenizer, b, problems, cfg, stream=stream_of(seed, b.name),
           journal=stem + ".journal.jsonl", journal_key=made_with, progress=progress,
           desc=f"{b.name} [{i + 1}/{len(loaded)}]", model_source=model_source, seed=seed)
       eval_lib.write_samples(stem + "_samples.jsonl", trajs, problems, tokenizer)
