@@ -12,8 +12,8 @@ Math problems come in several public layouts; every row is normalised to one
   `Problem`/`Answer`/`ID` or `question`/`answer`/`id`, and rows with only a
   `solution` from which the last `\\boxed{...}` is taken as the answer.
 
-Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows), `.parquet` and
-`.csv` (a header row; GPQA's release format).
+Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows) and `.parquet`;
+`load_rows` (a layout with named columns) reads `.csv` too (GPQA's release format).
 A malformed row gives a `DataError` naming the file, the row (1-based line for
 JSONL, 1-based row for Parquet and JSON arrays) and the field. With
 `on_error="skip"` such rows are skipped, counted and the first few reasons are
@@ -257,19 +257,24 @@ def _read_csv(path: pathlib.Path) -> Iterator[_Read]:
 
 _READERS: dict[str, tuple[Callable[[pathlib.Path], Iterator[_Read]], str]] = {
     ".jsonl": (_read_jsonl, "line"),
-    ".csv": (_read_csv, "row"),
     ".jsonl.gz": (_read_jsonl, "line"),
     ".json": (_read_json_array, "row"),
     ".parquet": (_read_parquet, "row"),
 }
 
 
-def _reader_for(path: pathlib.Path):
+# CSV only where a layout names its columns (`load_rows`: GPQA's release format); a math
+# file of unknown columns read as CSV would give every cell as text, ids and answers alike.
+_READERS_WITH_CSV = {**_READERS, ".csv": (_read_csv, "row")}
+
+
+def _reader_for(path: pathlib.Path, readers=None):
+  readers = _READERS if readers is None else readers
   name = path.name.lower()
-  for suffix in sorted(_READERS, key=len, reverse=True):
+  for suffix in sorted(readers, key=len, reverse=True):
     if name.endswith(suffix):
-      return _READERS[suffix]
-  raise ValueError(f"{path}: unknown file type; expected one of {sorted(_READERS)}")
+      return readers[suffix]
+  raise ValueError(f"{path}: unknown file type; expected one of {sorted(readers)}")
 
 
 def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
@@ -303,16 +308,16 @@ def _uid_prefixes(paths: Sequence[pathlib.Path]) -> dict[pathlib.Path, str]:
 def load_rows(paths: PathLike | Sequence[PathLike],
               parse: Callable[[dict, str, pathlib.Path, int], T], *, on_error: str = "raise",
               max_reported: int = 5, what: str = "data") -> LoadResult[T]:
-  """Every row of every file (JSONL, JSON, Parquet, CSV) through
+  """Every row of every file (JSONL, JSON, Parquet, and CSV with a header row) through
   `parse(row, default_uid, path, row_no)`, which raises `FieldError` on a bad row: the
   loader for a layout of one's own, with the same errors (file, row, field) and
   `on_error` as `load_math_problems`."""
-  return _load_rows(paths, parse, on_error, max_reported, what)
+  return _load_rows(paths, parse, on_error, max_reported, what, readers=_READERS_WITH_CSV)
 
 
 def _load_rows(paths: PathLike | Sequence[PathLike],
                parse: Callable[[dict, str, pathlib.Path, int], T],
-               on_error: str, max_reported: int, what: str) -> LoadResult[T]:
+               on_error: str, max_reported: int, what: str, readers=None) -> LoadResult[T]:
   """Runs `parse(row, default_uid, path, row_no)` over every row of every file."""
   if on_error not in ON_ERROR:
     raise ValueError(f"on_error={on_error!r}; choose from {ON_ERROR}")
@@ -322,7 +327,7 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
   paths = _as_paths(paths)
   prefix = _uid_prefixes(paths)
   for path in paths:
-    reader, unit = _reader_for(path)
+    reader, unit = _reader_for(path, readers)
     rows_before = num_rows
     for row_no, row, error in reader(path):
       num_rows += 1

@@ -89,7 +89,7 @@ class Benchmark:
   def layout(self) -> str:
     """The expected file layout, in words (for errors and the docs)."""
     if self.columns is None:
-      return ("a JSONL / JSON / Parquet / CSV math file in any layout "
+      return ("a JSONL / JSON / Parquet math file in any layout "
               "rstar_jax.data.math_data.load_math_problems reads")
     roles = ", ".join(f"{role}: {' or '.join(repr(c) for c in cols)}"
                       for role, cols in self.columns.items())

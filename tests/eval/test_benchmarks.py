@@ -252,3 +252,28 @@ def test_the_report_protocol_and_greedy_only_by_name():
   assert (greedy.k, greedy.agent.temperature) == (1, 0.0)
   with pytest.raises(ValueError, match="choose from"):
     suite.protocol("fast", configured)
+
+
+def test_csv_rows_a_bom_and_a_row_with_too_many_cells(tmp_path):
+  path = tmp_path / "gpqa.csv"
+  header = "Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3"
+  path.write_text("\ufeff" + header + "\nQ1,a,b,c,d\nQ2,a,b,c,d,e\n", encoding="utf-8")
+  text = _error("gpqa_diamond", str(path))
+  assert f"{path}, row 2: 1 cell(s) more than the header's 5 columns" in text
+  path.write_text("\ufeff" + header + "\nQ1,a,b,c,d\n", encoding="utf-8")
+  (p,) = benchmarks.load(benchmarks.REGISTRY["gpqa_diamond"], str(path))
+  assert p.uid == "gpqa:1" and p.meta["options"] == ["a", "b", "c", "d"]   # no id column
+  # CSV is read where a layout names its columns, not as a math file of unknown columns.
+  with pytest.raises(benchmarks.BenchmarkError, match="unknown file type"):
+    benchmarks.load(benchmarks.get("my_csv"), str(path))
+
+
+def test_the_14b_eval_config_builds_with_the_report_protocol():
+  from rstar_jax import config_utils, recipe
+  c = config_utils._load_config_file(
+      os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs",
+                   "eval_rstar2_agent_14b.py"))
+  cfg = recipe.build_config(c)
+  assert suite.protocol("config", cfg.eval) == suite.protocol("report", cfg.eval)
+  assert cfg.rollout.backend == "sglang"
+  assert cfg.eval.agent.max_response_tokens < cfg.rollout.engine.max_len   # backend jax too
