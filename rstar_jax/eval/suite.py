@@ -236,6 +236,31 @@ def _read_json(path: str) -> Any:
     return None
 
 
+_OUTPUTS = (".json", ".made_with.json", ".result.json", "_samples.jsonl")
+
+
+def _keep_previous(stem: str, made_with: Any) -> None:
+  """Results (and a journal) that another model, file or setting made are moved to
+  <name>_<n>.*, not overwritten: a rerun with another protocol loses nothing."""
+  def journal_key() -> Any:
+    try:
+      with open(stem + ".journal.jsonl") as f:
+        return json.loads(f.readline()).get("key")
+    except (OSError, ValueError, AttributeError):
+      return None
+  moved = [suffix for suffix in _OUTPUTS if os.path.exists(stem + suffix)]
+  if os.path.exists(stem + ".journal.jsonl") and journal_key() != made_with:
+    moved.append(".journal.jsonl")
+  if not moved:
+    return
+  n = 1
+  while any(os.path.exists(f"{stem}_{n}{suffix}") for suffix in (*_OUTPUTS, ".journal.jsonl")):
+    n += 1
+  for suffix in moved:
+    os.replace(stem + suffix, f"{stem}_{n}{suffix}")
+  logging.warning("%s: earlier results made with other settings moved to %s_%d.*", stem, stem, n)
+
+
 def stream_of(seed: int, name: str) -> tuple[int, ...]:
   """A benchmark's seed stream: its own, whichever other benchmarks run beside it."""
   return (seed, rollouts.EVAL, SUITE_SALT, zlib.crc32(name.encode("utf-8")))
@@ -297,7 +322,8 @@ def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
     report_path = stem + ".json"
     n_trajs = len(problems) * cfg.k
     prior = _read_json(stem + ".made_with.json")
-    report = None
+    if prior != made_with:
+      _keep_previous(stem, made_with)
     if prior == made_with and os.path.exists(report_path):
       with open(report_path) as f:
         report = metrics.EvalReport.from_json(f.read())

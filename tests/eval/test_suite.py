@@ -137,3 +137,25 @@ def test_a_signal_stops_the_suite_and_the_rerun_resumes_to_the_same_table(toy, t
   assert strip(a) == strip(b)
   assert (_lines(os.path.join(whole, "suite", "aime25_samples.jsonl"))
           == _lines(os.path.join(cut, "suite", "aime25_samples.jsonl")))
+
+
+def test_results_of_other_settings_are_moved_aside_not_overwritten(tmp_path):
+  from rstar_jax.eval import suite
+  stem = str(tmp_path / "aime24")
+  for suffix, text in ((".json", "old report"), (".made_with.json", '{"k": 2}'),
+                       (".result.json", "old row"), ("_samples.jsonl", "old samples"),
+                       (".journal.jsonl", json.dumps({"journal": 2, "key": {"k": 2}}) + "\n")):
+    open(stem + suffix, "w").write(text)
+  suite._keep_previous(stem, {"k": 4})
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      f"aime24_1{s}" for s in (".json", ".made_with.json", ".result.json", "_samples.jsonl",
+                               ".journal.jsonl"))
+  assert open(stem + "_1.json").read() == "old report"
+  # A journal of these very settings (a run cut off before it finished) stays to resume.
+  open(stem + ".journal.jsonl", "w").write(json.dumps({"journal": 2, "key": {"k": 4}}) + "\n")
+  suite._keep_previous(stem, {"k": 4})
+  assert os.path.exists(stem + ".journal.jsonl") and not os.path.exists(stem + "_2.json")
+  open(stem + ".json", "w").write("second")
+  suite._keep_previous(stem, {"k": 8})
+  assert open(stem + "_2.json").read() == "second"
+  assert open(stem + "_2.journal.jsonl").read().startswith('{"journal": 2')
