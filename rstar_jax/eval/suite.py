@@ -239,17 +239,28 @@ def _read_json(path: str) -> Any:
 _OUTPUTS = (".json", ".made_with.json", ".result.json", "_samples.jsonl")
 
 
+def _journal_key(path: str) -> Any:
+  try:
+    with open(path) as f:
+      return json.loads(f.readline()).get("key")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _journaled(path: str, made_with: Any) -> int:
+  """Trajectories a journal of these settings holds (what a resumed run does not generate)."""
+  if _journal_key(path) != made_with:
+    return 0
+  with open(path) as f:
+    return max(0, sum(1 for line in f if line.endswith("\n")) - 1)
+
+
 def _keep_previous(stem: str, made_with: Any) -> None:
   """Results (and a journal) that another model, file or setting made are moved to
   <name>_<n>.*, not overwritten: a rerun with another protocol loses nothing."""
-  def journal_key() -> Any:
-    try:
-      with open(stem + ".journal.jsonl") as f:
-        return json.loads(f.readline()).get("key")
-    except (OSError, ValueError, AttributeError):
-      return None
   moved = [suffix for suffix in _OUTPUTS if os.path.exists(stem + suffix)]
-  if os.path.exists(stem + ".journal.jsonl") and journal_key() != made_with:
+  journal = stem + ".journal.jsonl"
+  if os.path.exists(journal) and _journal_key(journal) != made_with:
     moved.append(".journal.jsonl")
   if not moved:
     return
@@ -313,7 +324,7 @@ def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
   loaded = [(b, path, bench_lib.load(b, path, seed=shuffle_seed)) for b, path in given]
   total = sum(len(ps) for _, _, ps in loaded) * cfg.k
   results, done_trajs, started = [], 0, time.monotonic()
-  ran = 0   # trajectories generated in this process (for the ETA)
+  ran, ran_s = 0, 0.0   # trajectories generated here, and the time it took (for the ETA)
   for i, (b, path, problems) in enumerate(loaded):
     made_with = json.loads(json.dumps({
         "benchmark": b.name, "file": _stamp(path), "seed": seed, "shuffle_seed": shuffle_seed,
@@ -332,6 +343,7 @@ def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
     else:
       print(f"[{i + 1}/{len(loaded)}] {b.name}: {len(problems)} problems x {cfg.k} samples "
             f"from {path}")
+      resumed, t0 = _journaled(stem + ".journal.jsonl", made_with), time.monotonic()
       report, trajs = run_benchmark(
           generator(), tools, proto, tokenizer, b, problems, cfg, stream=stream_of(seed, b.name),
           journal=stem + ".journal.jsonl", journal_key=made_with, progress=progress,
@@ -340,15 +352,15 @@ def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
       _write_json(report_path, report.to_json())
       _write_json(stem + ".made_with.json", made_with)
       os.remove(stem + ".journal.jsonl")   # the samples hold what it held
-      ran += n_trajs
+      ran += n_trajs - resumed
+      ran_s += time.monotonic() - t0
     result = result_from(b, path, report, ci_seed=seed)
     _write_json(stem + ".result.json", result.to_dict())
     results.append(result)
     done_trajs += n_trajs
     left = total - done_trajs
-    elapsed = time.monotonic() - started
     if left and ran:
-      eta = elapsed / ran * left
+      eta = ran_s / ran * left
       print(f"suite: {done_trajs}/{total} trajectories done; about {eta / 60:.0f} min left "
             f"at this pace")
   suite = SuiteResult(results=tuple(results), not_run=tuple(not_run), protocol=protocol_name,
