@@ -191,3 +191,59 @@ def count_answer_tags(text: str) -> int:
       return count
     count += 1
     pos = end + len(ANSWER_CLOSE)
+
+
+# --------------------------------------------------------------------------------------
+# Multiple choice (GPQA-style): which option letter a response chose.
+
+CHOICE_LETTERS = "ABCDEFGHIJ"
+# What may wrap the letter inside a \boxed{}: "(C)", "\text{C}", "\textbf{(C)}", "$C$".
+_CHOICE_WRAP_RE = re.compile(r"^\(?([A-J])\)?$")
+# A final line that states the letter and nothing else: "C", "(C)", "C.", "**C**",
+# "Answer: C", "The answer is (C).", "Final answer: (C)". Case-sensitive letter.
+_CHOICE_LINE_RE = re.compile(
+    r"^(?:(?:[Tt]he\s+)?(?:[Ff]inal\s+|[Cc]orrect\s+)?(?:[Aa]nswer|[Oo]ption|[Cc]hoice)"
+    r"(?:\s+is)?\s*:?\s*)?\(?([A-J])\)?\.?$")
+
+
+def choice_letter(response_text: str, num_options: int = 4) -> str | None:
+  """The option letter a response chose, or None; strict (GPQA-style grading).
+
+  Where: the last `<answer>` block when the response has one (as `final_answer`), else
+  the whole response. What counts, in order:
+
+  1. A `\\boxed{}` there: the LAST one decides, and its content (after `normalize_answer`:
+     `$`, `\\text{}`, `\\textbf{}`, spaces) must be exactly one letter, bare or in
+     parentheses: `\\boxed{C}`, `\\boxed{(C)}`, `\\boxed{\\text{C}}`. Anything else in the
+     last box (`\\boxed{C and D}`, `\\boxed{C) 42}`, `\\boxed{c}`, `\\boxed{3}`) is no
+     answer: an earlier box or a letter after it is not used instead.
+  2. No box: the last non-blank line, with markdown `*` / `_` emphasis removed, must be
+     the letter alone or in parentheses, optionally after "Answer:", "The answer is",
+     "Final answer:", "The correct option is" and optionally with a final period:
+     `C`, `(C)`, `**C**`, `Answer: C`, `The answer is (C).`. A letter inside a sentence
+     ("so C is right", "C or D", "I pick C because ...") is no answer.
+
+  Letters are upper case and must name one of the `num_options` options (A-D for 4):
+  `\\boxed{E}` with four options is no answer.
+  """
+  if not isinstance(response_text, str):
+    raise TypeError(f"choice_letter expects a str, got {type(response_text).__name__}")
+  if not 1 <= num_options <= len(CHOICE_LETTERS):
+    raise ValueError(f"num_options must be in [1, {len(CHOICE_LETTERS)}], got {num_options}")
+  start = response_text.rfind(ANSWER_OPEN)
+  segment = response_text
+  if start >= 0:
+    start += len(ANSWER_OPEN)
+    end = response_text.find(ANSWER_CLOSE, start)
+    segment = response_text[start:] if end < 0 else response_text[start:end]
+  if _BOXED_RE.search(segment):
+    boxed = extract_boxed(segment)
+    m = _CHOICE_WRAP_RE.match(normalize_answer(boxed)) if boxed is not None else None
+  else:
+    lines = [ln for ln in segment.splitlines() if ln.strip()]
+    last = re.sub(r"[*_]", "", lines[-1]).strip() if lines else ""
+    m = _CHOICE_LINE_RE.match(last)
+  if m is None:
+    return None
+  letter = m.group(1)
+  return letter if CHOICE_LETTERS.index(letter) < num_options else None

@@ -12,7 +12,8 @@ Math problems come in several public layouts; every row is normalised to one
   `Problem`/`Answer`/`ID` or `question`/`answer`/`id`, and rows with only a
   `solution` from which the last `\\boxed{...}` is taken as the answer.
 
-Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows) and `.parquet`.
+Files: `.jsonl` (optionally `.jsonl.gz`), `.json` (an array of rows) and `.parquet`;
+`load_rows` (a layout with named columns) reads `.csv` too (GPQA's release format).
 A malformed row gives a `DataError` naming the file, the row (1-based line for
 JSONL, 1-based row for Parquet and JSON arrays) and the field. With
 `on_error="skip"` such rows are skipped, counted and the first few reasons are
@@ -234,6 +235,26 @@ def _read_parquet(path: pathlib.Path) -> Iterator[_Read]:
                     f"({type(e).__name__}: {e})") from e
 
 
+def _read_csv(path: pathlib.Path) -> Iterator[_Read]:
+  """A CSV file with a header row (GPQA's release format); row 1 is the first data row.
+  Cells are strings; an empty cell is None, as Parquet pads a missing value."""
+  import csv
+  try:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+      reader = csv.DictReader(f)
+      for row_no, row in enumerate(reader, start=1):
+        if None in row:   # more cells than the header names
+          yield row_no, None, RowError(str(path), row_no, "row", None,
+                                       f"{len(row[None])} cell(s) more than the header's "
+                                       f"{len(reader.fieldnames or ())} columns")
+          continue
+        yield row_no, {k: (v if v != "" else None) for k, v in row.items()}, None
+  except UnicodeDecodeError as e:
+    raise DataError(path=path, message=f"not UTF-8 ({e.reason} at byte {e.start})") from None
+  except csv.Error as e:
+    raise DataError(path=path, message=f"malformed CSV ({e})") from e
+
+
 _READERS: dict[str, tuple[Callable[[pathlib.Path], Iterator[_Read]], str]] = {
     ".jsonl": (_read_jsonl, "line"),
     ".jsonl.gz": (_read_jsonl, "line"),
@@ -242,12 +263,18 @@ _READERS: dict[str, tuple[Callable[[pathlib.Path], Iterator[_Read]], str]] = {
 }
 
 
-def _reader_for(path: pathlib.Path):
+# CSV only where a layout names its columns (`load_rows`: GPQA's release format); a math
+# file of unknown columns read as CSV would give every cell as text, ids and answers alike.
+_READERS_WITH_CSV = {**_READERS, ".csv": (_read_csv, "row")}
+
+
+def _reader_for(path: pathlib.Path, readers=None):
+  readers = _READERS if readers is None else readers
   name = path.name.lower()
-  for suffix in sorted(_READERS, key=len, reverse=True):
+  for suffix in sorted(readers, key=len, reverse=True):
     if name.endswith(suffix):
-      return _READERS[suffix]
-  raise ValueError(f"{path}: unknown file type; expected one of {sorted(_READERS)}")
+      return readers[suffix]
+  raise ValueError(f"{path}: unknown file type; expected one of {sorted(readers)}")
 
 
 def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
@@ -278,9 +305,19 @@ def _uid_prefixes(paths: Sequence[pathlib.Path]) -> dict[pathlib.Path, str]:
   return {p: str(rel[p]) if clash[v] > 1 else v for p, v in out.items()}
 
 
+def load_rows(paths: PathLike | Sequence[PathLike],
+              parse: Callable[[dict, str, pathlib.Path, int], T], *, on_error: str = "raise",
+              max_reported: int = 5, what: str = "data") -> LoadResult[T]:
+  """Every row of every file (JSONL, JSON, Parquet, and CSV with a header row) through
+  `parse(row, default_uid, path, row_no)`, which raises `FieldError` on a bad row: the
+  loader for a layout of one's own, with the same errors (file, row, field) and
+  `on_error` as `load_math_problems`."""
+  return _load_rows(paths, parse, on_error, max_reported, what, readers=_READERS_WITH_CSV)
+
+
 def _load_rows(paths: PathLike | Sequence[PathLike],
                parse: Callable[[dict, str, pathlib.Path, int], T],
-               on_error: str, max_reported: int, what: str) -> LoadResult[T]:
+               on_error: str, max_reported: int, what: str, readers=None) -> LoadResult[T]:
   """Runs `parse(row, default_uid, path, row_no)` over every row of every file."""
   if on_error not in ON_ERROR:
     raise ValueError(f"on_error={on_error!r}; choose from {ON_ERROR}")
@@ -290,7 +327,7 @@ def _load_rows(paths: PathLike | Sequence[PathLike],
   paths = _as_paths(paths)
   prefix = _uid_prefixes(paths)
   for path in paths:
-    reader, unit = _reader_for(path)
+    reader, unit = _reader_for(path, readers)
     rows_before = num_rows
     for row_no, row, error in reader(path):
       num_rows += 1
@@ -355,6 +392,10 @@ def _answer_field(value: Any, field: str) -> str:
   if not value.strip():
     raise FieldError(field, "empty answer")
   return value.strip()
+
+
+# For layouts defined elsewhere (rstar_jax/eval/benchmarks.py): the same checks and messages.
+text_field, answer_field = _text_field, _answer_field
 
 
 def _first_key(row: Mapping[str, Any], keys: Sequence[str]) -> str | None:
