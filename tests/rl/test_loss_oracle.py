@@ -252,3 +252,21 @@ def test_micro_batches_sum_to_the_oracle(name):
   r32 = lambda x: None if x is None else np.asarray(x, np.float32).astype(np.float64)
   assert total == pytest.approx(oracle_loss(r32(new), r32(old), r32(adv), mask, cfg, r32(ref)),
                                 rel=1e-5, abs=1e-6)
+
+
+def test_no_gradient_flows_into_old_or_reference_logprobs():
+  """old_logp and ref_logp are constants of the loss (the docstring's "no gradient"). A
+  caller that computes old_logp from the same parameters inside the differentiated
+  function (one on-policy update: old = new) still gets the policy gradient
+  -A * d logp / token count; without the stop-gradient the ratio would be exp(0)
+  everywhere and the gradient zero."""
+  new = jnp.asarray([[-1.0, -2.0, -0.5]])
+  adv = jnp.asarray([0.7])
+  mask = jnp.ones((1, 3))
+  cfg = LossConfig(kl_coef=0.1)
+  ref = jnp.asarray([[-1.2, -1.7, -0.4]])
+  g_old, g_ref = jax.grad(lambda o, r: losses.ppo_loss(new, o, adv, mask, config=cfg,
+                                                       ref_logp=r)[0], argnums=(0, 1))(new, ref)
+  assert np.all(np.asarray(g_old) == 0) and np.all(np.asarray(g_ref) == 0)
+  on_policy = jax.grad(lambda n: losses.ppo_loss(n, n, adv, mask)[0])(new)
+  np.testing.assert_allclose(np.asarray(on_policy), -0.7 / 3 * np.ones((1, 3)), rtol=1e-6)
