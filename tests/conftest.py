@@ -13,6 +13,12 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest  # noqa: E402
 
+# Skips against tests/skip_allowlist.txt (fails the session under CI=true): see the module.
+from tests.skip_policy import (pytest_addoption, pytest_collectreport,  # noqa: E402,F401
+                               pytest_configure, pytest_runtest_logreport,
+                               pytest_terminal_summary)
+from tests import skip_policy  # noqa: E402
+
 # tests/test_multihost.py's gloo test: its two processes, started when collection ends.
 STALL_PROCS = pytest.StashKey[list]()
 
@@ -29,3 +35,4 @@ def pytest_sessionfinish(session):
   for p in session.config.stash.get(STALL_PROCS, []):
     if p.poll() is None:
       p.kill()
+  skip_policy.judge(session)

@@ -37,14 +37,60 @@ def test_train_flops_match_xla_on_one_layer_and_xla_undercounts_the_scan():
   assert roofline.train_flops(four, 4, 64) > 3 * roofline.train_flops(one, 4, 64) * 0.9
 
 
-def test_matmul_peak_and_row():
-  assert roofline.matmul_peak_gflops(128, repeats=2) > 0
+def test_rates_are_hand_counted_work_over_the_measured_time(monkeypatch):
+  """Each rate divides the FLOPs / bytes counted by hand here by the time measured: the
+  timer is replaced by one that runs the step (so it compiles and runs for real) and
+  reports 0.25 s."""
+  ran = []
+
+  def timed(fn, repeats):
+    ran.append(repeats)
+    fn()
+    return 0.25
+  monkeypatch.setattr(roofline, "_median_time", timed)
+  assert roofline.matmul_peak_gflops(128, repeats=3) == pytest.approx(2 * 128**3 / 0.25 / 1e9)
+  # 4 links alternating [16, 32] x [32, 96] and [16, 96] x [96, 32]: 2 m k n each.
+  assert roofline.matmul_chain_gflops(16, 32, 96, links=4, repeats=2) == pytest.approx(
+      4 * 2 * 16 * 32 * 96 / 0.25 / 1e9)
+  # 4 MiB of float32 read once.
+  assert roofline.memory_bandwidth_gbs(4, repeats=2) == pytest.approx(4 * 2**20 / 0.25 / 1e9)
+  assert ran == [3, 2, 2]
+
+
+def test_median_time_is_the_median_of_the_runs_after_a_warm_up(monkeypatch):
+  clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])   # runs of 1, 3 and 2 s
+  monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock))
+  calls = []
+  assert roofline._median_time(lambda: calls.append(1), 3) == 2.0
+  assert len(calls) == 4   # the warm-up is not timed
+
+
+def test_row():
   r = roofline.row("x", 2e9, 0.5, 8.0)
   assert r["gflops"] == pytest.approx(4.0) and r["fraction_of_peak"] == pytest.approx(0.5)
+  assert roofline.row("y", 1e9, 0.0, 8.0)["gflops"] == 0.0
+
+
+def test_train_flops_by_hand():
+  """hidden 8, intermediate 16, 2 layers, 2 heads of 4 (q = 8), 1 kv head (kv = 4),
+  vocab 32. Matmul parameters per layer: q and o 8 * 8 each, k and v 8 * 4 each, the MLP
+  3 * 8 * 16: 576; two layers 1152, the head 8 * 32 = 256: N = 1408. Per token at S = 5:
+  6 N = 8448 plus 12 L q S = 12 * 2 * 8 * 5 = 960; 3 x 5 tokens: 141120."""
+  cfg = Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+  assert roofline.matmul_params(cfg) == 1408
+  assert roofline.train_flops(cfg, 3, 5) == 141120.0
+
+
+def test_xla_counts_the_bytes_of_a_sum():
+  """A float32 sum over n elements reads 4 n bytes and writes one float."""
+  n = 1 << 16
+  cost = roofline.xla_cost(jax.jit(jnp.sum), jnp.ones((n,), jnp.float32))
+  assert cost["bytes_accessed"] == 4 * n + 4, cost
 
 
 def test_matmul_chain_counts_the_flops_xla_counts():
   chain, args, flops = roofline.matmul_chain(16, 32, 96, links=4)
   xla = roofline.xla_cost(chain, *args)["flops"]
+  assert flops == 4 * 2 * 16 * 32 * 96
   assert flops <= xla < 1.02 * flops, (flops, xla)   # tanh's few flops on top
-  assert roofline.matmul_chain_gflops(16, 32, 96, links=4, repeats=2) > 0

@@ -130,10 +130,12 @@ def test_conversation_equals_render_conversation(exported, system):
                          + (config.reason_open if config.reopen_reason else ""))
 
 
+# Only the configs where the case exists (a skip per other config would count as a skip).
+@pytest.mark.parametrize("exported", [k for k in sorted(CONFIGS)
+                                      if CONFIGS[k].max_parallel_calls >= 2], indirect=True)
 def test_parallel_calls_share_one_tool_turn(exported):
   config, proto, hf_tok = exported
-  if config.max_parallel_calls < 2:
-    pytest.skip("one call per turn in this config")
+  assert config.max_parallel_calls >= 2
   calls = [{"name": config.tool_name, "arguments": {"code": f"print({i})"}} for i in (1, 2)]
   messages = [{"role": "user", "content": PROBLEM},
               {"role": "assistant", "content": "Two at once.", "tool_calls": calls},
@@ -146,10 +148,12 @@ def test_parallel_calls_share_one_tool_turn(exported):
       proto.render_conversation(messages).ids[:-len(proto.tokenizer.encode("Done \\boxed{3}")) - 1])
 
 
+@pytest.mark.parametrize("exported", [k for k in sorted(CONFIGS)
+                                      if CONFIGS[k] == toy_task.toy_chat_config()],
+                         indirect=True)
 def test_toy_traces_render_identically(exported):
   config, proto, hf_tok = exported
-  if config != toy_task.toy_chat_config():
-    pytest.skip("toy traces use the toy chat config")
+  assert config == toy_task.toy_chat_config()   # toy traces use the toy chat config
   problems = toy_task.generate_problems(12, seed=3)
   for trace in toy_task.make_traces(problems, seed=4, chat_config=config):
     messages = [dict(m) for m in trace.messages]

@@ -104,6 +104,10 @@ EXTRACTION_CASES = [
     ("$\\boxed{5}$.", "5"),
     ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),      # nested braces
     ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),                          # escaped braces
+    # A one-sided escaped brace (\left\{ ... \right.): `\{` is skipped whole, not
+    # counted as an opening brace; the boxed content is still found.
+    ("\\boxed{\\left\\{1,2\\right.}", "\\left\\{1,2\\right."),
+    ("\\boxed{a\\}b}", "a\\}b"),
     ("first \\boxed{3} then \\boxed{7}", "7"),                      # last one wins
     ("\\fbox{9}", "9"),
     ("no box here", None),

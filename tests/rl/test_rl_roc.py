@@ -65,6 +65,20 @@ def test_count_answer_tags():
   assert roc.count_answer_tags("<answer>1</answer> x <answer>2</answer>") == 2
   assert roc.count_answer_tags("<answer>1</answer> <answer>unclosed") == 1
   assert roc.count_answer_tags("</answer><answer>") == 0
+  # One complete block, however many opening tags it repeats: the count goes on after
+  # the block's close, not inside it.
+  assert roc.count_answer_tags("<answer><answer>1</answer>") == 1
+  assert roc.count_answer_tags("<answer>a <answer>b</answer> <answer>c</answer>") == 2
+
+
+def test_a_draw_of_exactly_zero_never_takes_a_drawn_item():
+  """Generator.random() is in [0, 1): it can return 0.0. A drawn item has weight 0, so
+  the cumulative sum starts flat at 0 there; the draw must land on an item of positive
+  width (side="right"), never on one drawn before."""
+  class Zero:
+    def random(self):
+      return 0.0
+  assert roc.sample_without_replacement([1.0, 1.0, 1.0], 3, Zero()).tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -1,5 +1,6 @@
 """Scheduling policies: simulated makespan, and a real pool of two JaxEngines."""
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -51,7 +52,9 @@ def test_pool_sends_requests_to_the_engine_with_most_free_kv():
             for i in range(30)]
     return await asyncio.gather(*(pool.generate(r) for r in reqs))
   try:
+    t0 = time.perf_counter()
     outs = asyncio.run(main())
+    ran = time.perf_counter() - t0
   finally:
     small.stop()
     big.stop()
@@ -59,7 +62,13 @@ def test_pool_sends_requests_to_the_engine_with_most_free_kv():
   stats = pool.stats()
   # The 4-slot engine has 4x the capacity: it must get most of the work.
   assert stats["big/requests"] > stats["small/requests"] >= 1
-  assert stats["generated_tokens_per_s"] > 0
+  assert stats["big/requests"] + stats["small/requests"] == 30
+  # The counts are the outputs' own, the rate is those tokens over the pool's lifetime
+  # (which holds the whole run: the pool was made before it).
+  total = sum(len(o.output_ids) for o in outs)
+  assert stats["big/generated_tokens"] + stats["small/generated_tokens"] == total >= 30
+  assert stats["elapsed_s"] >= ran
+  assert stats["generated_tokens_per_s"] == pytest.approx(total / stats["elapsed_s"], rel=1e-3)
 
 
 class _Fake:

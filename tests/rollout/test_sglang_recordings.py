@@ -2,7 +2,7 @@
 request body and reply is checked against SGLang 0.5.23's own schema, and every
 /generate reply goes through the client's parser as in training. The recorder itself is
 run here against our rollout server (a real process); recordings of real SGLang servers
-committed under recordings/ are replayed too."""
+committed under recordings/ are replayed in the same test (none is committed yet)."""
 from __future__ import annotations
 
 import glob
@@ -72,11 +72,9 @@ def test_recorder_against_our_server_then_replayed(served, sglang_schema, tmp_pa
   bad.write_text(json.dumps(gen) + "\n")
   with pytest.raises(BaseException, match="sampling_sed"):
     replay(str(bad), sglang_schema)
-
-
-@pytest.mark.parametrize("path", COMMITTED or [pytest.param(
-    None, marks=pytest.mark.skip(reason="no real SGLang recording committed under "
-                                        "tests/rollout/recordings/ yet (needs a GPU host)"))])
-def test_committed_sglang_recordings_replay(path, sglang_schema):
-  routes = replay(path, sglang_schema)
-  assert routes.get("/generate", 0) >= 1
+  # Recordings of real SGLang servers, once a GPU host has committed one. (There was a
+  # separate test for them, parametrized over the files: with none committed it was
+  # always skipped, and a recording built here from SGLang's schema would only check the
+  # schema against itself; the recorder run above is what exercises replay today.)
+  for path in COMMITTED:
+    assert replay(path, sglang_schema).get("/generate", 0) >= 1, path
