@@ -820,6 +820,9 @@ def result_rows(points: Sequence[Point], outcomes: Sequence[Outcome] | None = No
   order = [k for k in EVAL_KEYS if k in metric_cols]
   order += sorted(k for k in metric_cols if k.startswith("pass_at_") and k not in order)
   order += [k for k in metric_cols if k not in order]
+  for row in rows:   # a metric a point lacks (null, no such key) is missing: "n/a"
+    for k in order:
+      row.setdefault(k, None)
   return rows, ["point", "status", *keys, *order]
 
 
@@ -832,10 +835,12 @@ def _numeric(v) -> float | None:
 def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
               metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
   """Points that differ only in `seed`, grouped: n finished points, the seeds left out
-  (with their status), then per metric "mean ± std" over the finished points only (std
-  with ddof=1, as over repeated runs; only the mean for one seed; "(n=k)" when k
-  values are fewer than the group's points). Raw `<metric>_mean` / `<metric>_std` go
-  in the dict too (for CSV)."""
+  (with their status), then per metric "mean ± std" over the finished points that have
+  a value (a missing one, e.g. a tool-error rate inside correct trajectories of a run
+  with none correct, is skipped, never counted as 0; std with ddof=1, as over repeated
+  runs; only the mean for one value; "(n=k)" when k values are fewer than the group's
+  points; None, "n/a" in the tables, when no point has one). Raw `<metric>_mean` /
+  `<metric>_std` go in the dict too (for CSV)."""
   groups: dict[str, list[int]] = {}
   rest_of: dict[str, dict[str, Any]] = {}
   for i, p in enumerate(points):
@@ -859,7 +864,7 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
     for col in metric_cols:
       vals = [x for x in (_numeric(rows[i].get(col)) for i in done) if x is not None]
       if not vals:
-        row[col] = ""
+        row[col] = None
         continue
       mean = float(np.mean(vals))
       std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
@@ -871,15 +876,15 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
 
 
 def _fmt(v: Any) -> str:
-  if v is None:
-    return ""
+  if v is None:   # a missing value (rollout/stats.py): never 0, never a blank
+    return "n/a"
   if isinstance(v, float):
     return f"{v:.4g}"
   return str(v)
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-  esc = lambda s: _fmt(s).replace("|", "\\|")
+  esc = lambda s: _fmt(s).replace("|", "\\|")   # None: "n/a"; an absent cell: blank
   lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(esc(r.get(c, "")) for c in columns) + " |" for r in rows]
   return "\n".join(lines)

@@ -134,7 +134,7 @@ class SFTTrainer:
              for k, v in self.heldout.items()}
     s, t = self.eval_fn(self.state.params, batch)
     s, t = float(distributed.host_value(s)), float(distributed.host_value(t))
-    return s / max(t, 1.0)
+    return s / t if t else None   # no target token: missing, not 0 (rollout/stats.py)
 
   def maybe_restore(self) -> bool:
     if self.ckpt.latest_step() is None:
