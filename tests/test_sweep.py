@@ -511,7 +511,9 @@ def test_tables_mean_std_over_seeds(tmp_path):
   for p in pts:
     key = (p.overrides["m"], p.overrides["seed"])
     if key in acc:
-      _write_point(p, {"pass_at_1": acc[key], "tool_error_rate_correct": None,
+      # No correct trajectory in 4 of 5 runs: the rate is missing (null), not 0.
+      terc = 0.25 if key == ("roc", 1) else None
+      _write_point(p, {"pass_at_1": acc[key], "tool_error_rate_correct": terc,
                        "mean_response_tokens": 10.0 * p.overrides["seed"],
                        "pass_at_k": {"1": acc[key], "4": 1.0}},
                    metrics=[{"step": 1, "rollout/reward_mean": 0.1},
@@ -520,7 +522,7 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert cols[:4] == ["point", "status", "m", "seed"]
   assert rows[0]["pass_at_1"] == 0.5 and rows[0]["pass_at_4"] == 1.0
   assert rows[0]["last_rl/reward_mean"] == 0.3 and rows[0]["last_rl/stage"] == "stage2"
-  assert rows[5]["status"] == "missing" and "pass_at_1" not in rows[5]
+  assert rows[5]["status"] == "missing" and rows[5]["pass_at_1"] is None
   md = sweep.write_tables(str(tmp_path), pts)
   grouped = list(csv.DictReader(open(tmp_path / "results_seeds.csv")))
   assert [g["group"] for g in grouped] == ["m=roc", "m=uniform"]
@@ -531,10 +533,17 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert float(grouped[1]["pass_at_1_mean"]) == pytest.approx(0.3)
   assert float(grouped[1]["mean_response_tokens_std"]) == pytest.approx(
       np.std([0.0, 10.0], ddof=1))
-  assert grouped[0]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
+  # Missing values are skipped, never averaged in as 0; the cell says over how many.
+  assert float(grouped[0]["tool_error_rate_correct_mean"]) == 0.25
+  assert grouped[0]["tool_error_rate_correct_std"] == ""
+  assert grouped[1]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
   per_point = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert len(per_point) == 6 and per_point[1]["pass_at_1"] == "0.6"
-  assert "| m=roc | roc | 0 1 2 | 3 |  | 0.6 ± 0.1 |" in md
+  assert "| m=roc | roc | 0 1 2 | 3 |  | 0.6 ± 0.1 | 0.25 (n=1) |" in md, md
+  assert "| m=uniform | uniform | 0 1 2 | 2 | 2 (missing) | 0.3 ± 0.1414 (n=2) | n/a |" in md, md
+  # Per point: a null is "n/a" in the table, blank in the CSV.
+  assert "| m=roc,seed=0 | finished | roc | 0 | 0.5 | n/a |" in md, md
+  assert "| m=uniform,seed=2 | missing | uniform | 2 | n/a | n/a |" in md, md
   assert "0.3 ± 0.1414 (n=2)" in md
   assert md == open(tmp_path / "results.md").read()
 
@@ -566,7 +575,7 @@ def test_seed_table_counts_only_finished_points(tmp_path):
   assert roc["n"] == "2" and roc["left out"] == "2 (interrupted)"
   assert u["n"] == "0" and u["left out"] == "0 (failed), 1 (failed)"
   assert "| m=roc | roc | 0 1 2 | 2 | 2 (interrupted) | 0.8 ± 0 (n=2) |" in md, md
-  assert "| m=u | u | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in md, md
+  assert "| m=u | u | 0 1 | 0 | 0 (failed), 1 (failed) | n/a |" in md, md
 
 
 def test_without_outcomes_a_point_finished_with_another_command_is_stale(tmp_path):
@@ -729,7 +738,7 @@ def test_a_failed_rerun_with_another_command_reports_no_old_results(fake, tmp_pa
   assert len(grouped) == 1 and grouped[0]["n"] == "0"
   assert grouped[0]["pass_at_1_mean"] == "" and grouped[0]["pass_at_1_std"] == ""
   assert grouped[0]["left out"] == "0 (failed), 1 (failed)"
-  assert "| base | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in out.stdout, out.stdout
+  assert "| base | 0 1 | 0 | 0 (failed), 1 (failed) | n/a |" in out.stdout, out.stdout
 
 
 def test_the_same_command_in_another_order_is_not_a_change(fake, tmp_path):
