@@ -72,9 +72,9 @@ class RLStage:
   reset_optimizer: bool = False
 
   def __post_init__(self):
-    if self.num_steps < 0 or self.hard_k < 1 or self.hard_pool < 0:
-      raise ValueError(f"RLStage: num_steps >= 0, hard_k >= 1, hard_pool >= 0 required (got "
-                       f"{self.num_steps}, {self.hard_k}, {self.hard_pool})")
+    for name, low in (("num_steps", 0), ("hard_k", 1), ("hard_pool", 0)):
+      if getattr(self, name) < low:
+        raise ValueError(f"RLStage.{name} must be >= {low}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -134,3 +134,43 @@ def test_stop_messages_name_the_signal_received(first, caplog):
   assert msgs[1].startswith("SIGTERM received: already stopping"), msgs
   assert not any("Ctrl-C" in m for m in msgs), msgs
   assert str(interrupt.Interrupted(first, 3)).startswith(f"stopped by {name} after step 3")
+
+
+@pytest.mark.parametrize("where,values,message", [
+    ("stage1.agent", {"temperature": -1.0},
+     r"config.stage1.agent: AgentConfig.temperature must be >= 0 \(0: greedy\), got -1.0"),
+    ("stage1.agent", {"top_p": 0.0}, r"AgentConfig.top_p must be in \(0, 1\], got 0.0"),
+    ("stage1.agent", {"top_k": -2}, r"AgentConfig.top_k must be >= 0 .*got -2"),
+    ("stage1.agent", {"max_turns": 0}, r"AgentConfig.max_turns must be >= 1, got 0"),
+    ("stage1", {"hard_k": 0}, r"config.stage1: RLStage.hard_k must be >= 1, got 0"),
+    ("stage2", {"num_steps": -1}, r"config.stage2: RLStage.num_steps must be >= 0, got -1"),
+    ("stage3", {"hard_pool": -5}, r"RLStage.hard_pool must be >= 0, got -5"),
+    ("sft", {"seq_len": 1}, r"config.sft: SFTConfig.seq_len must be >= 2, got 1"),
+    ("sft", {"keep_checkpoints": 0}, r"SFTConfig.keep_checkpoints must be >= 1, got 0"),
+    ("rl.step", {"logprob_chunk": 0}, r"StepConfig.logprob_chunk must be >= 1, got 0"),
+    ("distributed", {"num_processes": -1}, r"DistributedConfig.num_processes must be >= 0"),
+    ("tokenizer", {"number_chunk": 4}, r"TokenizerConfig.number_chunk must be in 1..3, got 4"),
+    ("rl.optimizer", {"min_lr_ratio": 2.0},
+     r"OptimizerConfig.min_lr_ratio must be in \[0, 1\], got 2.0"),
+])
+def test_validation_errors_name_the_field_and_the_rule(where, values, message):
+  """Each bad value, set in the smoke config as a user would (--config.<where>.<k>=v),
+  is refused naming its section, its field, the rule and the value."""
+  from experiments.configs import toy
+  from rstar_jax import config_utils, recipe
+  config = toy.get_config("smoke")
+  node = config
+  for part in where.split("."):
+    node = node[part]
+  for k, v in values.items():
+    node[k] = v
+  with pytest.raises(config_utils.ConfigError, match=message):
+    recipe.build_config(config)
+
+
+def test_a_request_names_the_sampling_parameter_it_breaks():
+  from rstar_jax.rollout.engine import GenerationRequest
+  for bad, field in ((dict(temperature=-1.0), "temperature"), (dict(top_p=1.5), "top_p"),
+                     (dict(top_k=-1), "top_k")):
+    with pytest.raises(ValueError, match=f"{field} must be .*got {list(bad.values())[0]}"):
+      GenerationRequest(input_ids=[1], max_new_tokens=2, **bad).validate(max_len=8)
