@@ -174,3 +174,20 @@ def test_a_request_names_the_sampling_parameter_it_breaks():
                      (dict(top_k=-1), "top_k")):
     with pytest.raises(ValueError, match=f"{field} must be .*got {list(bad.values())[0]}"):
       GenerationRequest(input_ids=[1], max_new_tokens=2, **bad).validate(max_len=8)
+
+
+def test_a_missing_model_directory_is_reported_as_missing(tmp_path):
+  """Notebook 04 with a wrong hf_dir said "no tokenizer.json (only the fast-tokenizer
+  format is supported ...)", sending the user to convert a tokenizer that is not there."""
+  from rstar_jax.model import hf_io, tokenizer as tokenizer_lib
+  missing = str(tmp_path / "nowhere" / "export")
+  with pytest.raises(FileNotFoundError, match=r"nowhere/export': no such directory$"):
+    tokenizer_lib.Tokenizer.from_dir(missing)
+  with pytest.raises(hf_io.CheckpointError, match=r"nowhere/export: no such directory$"):
+    hf_io.load_hf(missing)
+  (tmp_path / "afile").write_text("")
+  with pytest.raises(FileNotFoundError, match="afile': not a directory"):
+    tokenizer_lib.Tokenizer.from_dir(str(tmp_path / "afile"))
+  # A directory without the file still says what is missing in it, and why.
+  with pytest.raises(FileNotFoundError, match="has no tokenizer.json .*fast-tokenizer"):
+    tokenizer_lib.Tokenizer.from_dir(str(tmp_path))
