@@ -854,12 +854,15 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
     row: dict[str, Any] = {"group": g}
     row.update({k: format_value(rest_of[g][k]) if k in rest_of[g] else "" for k in keys})
     seeds = [points[i].overrides.get(SEED_KEY) for i in idx]
-    row["seeds"] = " ".join(str(s) for s in seeds)
+    # A sweep without a seed axis: no seeds to list, and a point left out is named.
+    label = lambda i: (str(points[i].overrides[SEED_KEY]) if SEED_KEY in points[i].overrides
+                       else points[i].name)
+    row["seeds"] = " ".join(str(s) for s in seeds if s is not None)
     # Only finished points count: an interrupted run's last RL row is from an early step,
     # and a failed or stale point's eval_final.json is from an earlier command.
     done = [i for i in idx if rows[i]["status"] == "finished"]
     row["n"] = len(done)
-    row["left out"] = ", ".join(f"{points[i].overrides.get(SEED_KEY)} ({rows[i]['status']})"
+    row["left out"] = ", ".join(f"{label(i)} ({rows[i]['status']})"
                                 for i in idx if i not in done)
     for col in metric_cols:
       vals = [x for x in (_numeric(rows[i].get(col)) for i in done) if x is not None]

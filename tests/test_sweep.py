@@ -844,3 +844,13 @@ def test_real_recipe_two_points(tmp_path):
   assert cfg["rl"]["downsample"]["method"] == "uniform" and cfg["stage1"]["num_steps"] == 1
   out = _sweep_cli(env, *args)
   assert out.stdout.count("finished before") == 3
+
+
+def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
+  pts = sweep.make_points([{"m": "roc"}, {"m": "u"}], str(tmp_path))
+  _write_point(pts[0], {"pass_at_1": 0.5})
+  md = sweep.write_tables(str(tmp_path), pts, [sweep.Outcome(pts[0], "done"),
+                                               sweep.Outcome(pts[1], "not started")])
+  assert "| m=roc | roc |  | 1 |  | 0.5 |" in md, md
+  assert "| m=u | u |  | 0 | m=u (not started) | n/a |" in md, md
+  assert "None" not in md
