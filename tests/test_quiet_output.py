@@ -183,7 +183,7 @@ def test_a_missing_model_directory_is_reported_as_missing(tmp_path):
   missing = str(tmp_path / "nowhere" / "export")
   with pytest.raises(FileNotFoundError, match=r"nowhere/export': no such directory$"):
     tokenizer_lib.Tokenizer.from_dir(missing)
-  with pytest.raises(hf_io.CheckpointError, match=r"nowhere/export: no such directory$"):
+  with pytest.raises(hf_io.CheckpointError, match=r"nowhere/export: no such directory \(no config.json\)$"):
     hf_io.load_hf(missing)
   (tmp_path / "afile").write_text("")
   with pytest.raises(FileNotFoundError, match="afile': not a directory"):
