@@ -357,8 +357,8 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
       # A second Ctrl-C (`interrupt.Aborted`), or one before the run's handlers are in
       # place: one line, not the traceback of wherever it landed.
       print(str(e) if isinstance(e, interrupt.Aborted) else
-            "aborted by SIGINT before the run could save anything new; run the same "
-            "command again to resume from the last checkpoint", file=sys.stderr)
+            "aborted by SIGINT; run the same command again to resume from what was "
+            "saved", file=sys.stderr)
       sys.exit(128 + signal.SIGINT)
 
   app.run(wrapped, flags_parser=parser)

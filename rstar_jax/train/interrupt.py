@@ -37,11 +37,13 @@ class Interrupted(Exception):
 class Aborted(KeyboardInterrupt):
   """A second SIGINT: stop now, without saving the step in flight."""
 
-  def __init__(self, signum: int = signal.SIGINT):
+  def __init__(self, signum: int = signal.SIGINT, first: int | None = None):
     self.signum = signum
-    super().__init__(f"aborted by a second {signal.Signals(signum).name}: the step in flight "
-                     "is not saved; run the same command again to resume from the last "
-                     "checkpoint")
+    name = signal.Signals(signum).name
+    how = (f"a second {name}" if first in (None, signum) else
+           f"{name} after {signal.Signals(first).name}")
+    super().__init__(f"aborted by {how}: the step in flight is not saved; run the same "
+                     "command again to resume from the last checkpoint")
 
 
 # Depth of `uninterrupted()` blocks, and an abort that arrived inside one.
@@ -71,15 +73,16 @@ def uninterrupted():
       raise pending
 
 
-def _abort(signum: int) -> None:
+def _abort(signum: int, first: int | None = None) -> None:
   global _pending
   if _critical:
     if _pending is None:
-      logging.warning("second %s received: aborting once the checkpoint being written is "
-                      "complete", signal.Signals(signum).name)
-    _pending = Aborted(signum)
+      logging.warning("%s%s received: aborting once the checkpoint being written is "
+                      "complete", "second " if first in (None, signum) else "",
+                      signal.Signals(signum).name)
+    _pending = Aborted(signum, first)
     return
-  raise Aborted(signum)
+  raise Aborted(signum, first)
 
 
 def _hold_abort(signum, frame) -> None:
@@ -115,7 +118,7 @@ class StopRequests:
     name = signal.Signals(signum).name
     if root._signum is not None:
       if signum == signal.SIGINT:
-        _abort(signum)   # second Ctrl-C: abort now (after a checkpoint write in flight)
+        _abort(signum, root._signum)   # abort now (after a checkpoint write in flight)
       else:
         logging.warning("%s received: already stopping at the next step boundary (a "
                         "SIGINT aborts at once, without saving the step in flight)", name)
