@@ -12,7 +12,9 @@ in its own work directory `<sweep workdir>/<point name>`, the name made from its
 overrides (sorted by key, e.g. `rl.downsample.method=uniform,seed=1`). A point is
 finished when its `eval_final.json` exists or the run exited 0 (then `SWEEP_DONE.json`
 is written), and the command that finished it is the sweep's (order of the arguments
-aside); finished points are skipped on rerun. The result tables read `eval_final.json`
+aside); finished points are skipped on rerun. SIGINT / SIGTERM to the sweep reach every
+running point once (`Stop`): they save and stop, and a rerun resumes them. The result
+tables read `eval_final.json`
 (and the last row of the last RL stage's metrics) of each point and average the
 finished points that differ only in `seed`.
 
@@ -635,7 +637,10 @@ def _point_preexec(parent: int) -> Callable[[], None]:
   """What a point's process does between fork and exec: its own process group, SIGINT
   and SIGTERM at their defaults (a sweep started in the background passes SIGINT on
   ignored, and a point would then miss the Ctrl-C the sweep forwards before its own
-  handlers are installed), and SIGTERM when the sweep dies (Linux)."""
+  handlers are installed), and SIGTERM when the sweep dies (Linux). The kernel sends
+  that signal when the *thread* that forked the point ends: the worker thread that
+  starts a point waits for it (`_run_one`), so it outlives the point unless the sweep
+  dies."""
   prctl = None
   if sys.platform.startswith("linux"):
     import ctypes
