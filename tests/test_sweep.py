@@ -854,3 +854,34 @@ def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
   assert "| m=roc | roc |  | 1 |  | 0.5 |" in md, md
   assert "| m=u | u |  | 0 | m=u (not started) | n/a |" in md, md
   assert "None" not in md
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
+  """A scheduler's SIGTERM to a sweep of the smoke recipe mid-SFT: the point saves and
+  exits 143, the queued point does not start, and the rerun resumes SFT where it stopped."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  root = tmp_path / "sw"
+  args = [sys.executable, "-m", "experiments.sweep", "--config",
+          "experiments/configs/toy.py:smoke", "--workdir", str(root), "--sweep",
+          "rl.downsample.method=roc,uniform", "--config.stage1.num_steps=1"]
+  rows = root / "rl.downsample.method=roc" / "sft" / "metrics_sft.jsonl"
+  with open(tmp_path / "out", "w") as out:
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 2,
+              "two SFT steps", timeout=900)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "out").read_text()
+  points = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}
+  assert points["rl.downsample.method=roc"]["status"] == "interrupted"
+  assert points["rl.downsample.method=roc"]["returncode"] == 128 + signal.SIGTERM
+  assert points["rl.downsample.method=uniform"]["status"] == "not started"
+  log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
+  step = int(log.split("interrupted: stopped by SIGTERM after step ")[1].split()[0])
+  out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
+  assert f"resumed SFT at step {step}" in log
+  assert {r["status"] for r in csv.DictReader(open(root / "results.csv"))} == {"finished"}
