@@ -12,7 +12,11 @@ Each point runs `python -m <--module> --config <the same --config> --config.k=v 
 --config.workdir=<workdir>/<point name>` (stdout and stderr in `<point dir>/sweep.log`),
 up to --workers at once. Finished points (eval_final.json or SWEEP_DONE.json present) are
 skipped on rerun; a failed point is reported with its log and the others go on (the
-sweep then exits 1). `--print_only` prints one shell command per unfinished point and
+sweep then exits 1). SIGINT or SIGTERM to the sweep (Ctrl-C, `kill`, a scheduler) is
+sent on to every running point, which saves and stops as the recipe does; no other point
+starts, the tables of what finished are written, and the sweep exits 128 + the signal;
+the same command again resumes the stopped points. The points run in their own process
+groups and get SIGTERM if the sweep itself is killed (Linux). `--print_only` prints one shell command per unfinished point and
 runs nothing.
 
 At the end: `<workdir>/results.csv` (one row per point: eval_final.json's pass@1,
@@ -21,6 +25,7 @@ metrics), `results_seeds.csv` (mean and std over points that differ only in seed
 `results.md` (both tables, also printed); `sweep.json` lists every point.
 """
 import shlex
+import signal
 import sys
 
 from absl import flags
@@ -55,14 +60,17 @@ def main(argv):
     _main(argv)
   except sweep.SweepError as e:
     raise config_utils.ConfigError(str(e)) from None
-  except KeyboardInterrupt:
-    print("interrupted: the points that were running got the signal too; rerun the same "
-          "command to resume (finished points are skipped)", file=sys.stderr)
+  except KeyboardInterrupt:   # before any point ran (then `sweep.Stop` handles SIGINT)
+    print("sweep stopped by SIGINT before any point started", file=sys.stderr)
     sys.exit(130)
 
 
 def _main(argv):
   del argv   # config_utils.run refuses positional arguments
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A background job of a non-interactive shell starts with SIGINT ignored; the sweep
+    # is stopped with it as with SIGTERM (`sweep.Stop` takes over once points run).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
   if not _WORKDIR.value:
     raise config_utils.ConfigError("--workdir is required (the sweep's directory)")
   spec = config_flags.get_config_filename(flags.FLAGS["config"])
@@ -105,15 +113,26 @@ def _main(argv):
   for p in points:
     print(f"  {p.name}")
   sweep.write_manifest(_WORKDIR.value, points, argv_of)
-  outcomes = sweep.run_points(points, argv_of, workers=_WORKERS.value)
-  sweep.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
-  print(sweep.write_tables(_WORKDIR.value, points, outcomes))
-  print(f"tables: {_WORKDIR.value}/results.md, results.csv, results_seeds.csv")
-  failed = [o for o in outcomes if o.status in ("failed", "interrupted")]
-  if failed:
-    print(f"{len(failed)} point(s) failed:", file=sys.stderr)
-    for o in failed:
-      print(f"  {o.point.name}: {o.detail}; log: {o.point.log}", file=sys.stderr)
+  # Held until the tables are written: a signal then, or one to a sweep whose points
+  # all ended, still ends the sweep with 128 + signal after the tables.
+  with sweep.Stop() as stop:
+    outcomes = sweep.run_points(points, argv_of, workers=_WORKERS.value, stop=stop)
+    sweep.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
+    print(sweep.write_tables(_WORKDIR.value, points, outcomes))
+    print(f"tables: {_WORKDIR.value}/results.md, results.csv, results_seeds.csv")
+  bad = [o for o in outcomes if o.status in ("failed", "interrupted", "not started")]
+  for status in ("failed", "interrupted", "not started"):
+    these = [o for o in bad if o.status == status]
+    if these:
+      print(f"{len(these)} point(s) {status}:", file=sys.stderr)
+      for o in these:
+        print(f"  {o.point.name}: {o.detail}; log: {o.point.log}", file=sys.stderr)
+  if stop.requested:
+    print(f"sweep stopped by {stop.name}: the tables hold the points that finished; run "
+          "the same command again to resume the others (finished points are skipped)",
+          file=sys.stderr)
+    sys.exit(128 + stop.signum)
+  if bad:
     sys.exit(1)
 
 

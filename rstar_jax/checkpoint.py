@@ -14,6 +14,8 @@ from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
+from rstar_jax.train import interrupt
+
 
 @contextlib.contextmanager
 def _quiet():
@@ -38,7 +40,9 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, meta: dict[str, Any], *, wait: bool = True) -> None:
-    with _quiet():
+    # A second Ctrl-C during the write aborts after it (`interrupt.uninterrupted`):
+    # cutting orbax's wait leaves its save threads failing with pages of tracebacks.
+    with _quiet(), interrupt.uninterrupted():
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
       if wait:
@@ -66,6 +70,6 @@ class Checkpointer:
     return out.state, out.meta
 
   def close(self) -> None:
-    with _quiet():
+    with _quiet(), interrupt.uninterrupted():
       self.manager.wait_until_finished()
       self.manager.close()

@@ -96,7 +96,8 @@ class ClusterConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.trainer_processes < 0:
-      raise ValueError("ClusterConfig.trainer_processes must be >= 0 (0: servers only)")
+      raise ValueError(f"ClusterConfig.trainer_processes must be >= 0 (0: servers only), got "
+                       f"{self.trainer_processes!r}")
     for name in ("sandbox_cpus", "rollout_cpus", "rollout_gpus", "trainer_cpus",
                  "trainer_gpus", "restart_window_s", "hang_timeout_s"):
       if getattr(self, name) < 0:

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
-import logging
+import signal
 import sys
 import types
 import typing
@@ -202,6 +202,53 @@ def build(cls, config, where: str = "config"):
     raise ConfigError(f"{where}: {e}") from e
 
 
+def diff(old: Any, new: Any, path: str = "") -> list[str]:
+  """"key.path: old -> new" for every leaf that differs between two plain configs."""
+  if isinstance(old, dict) and isinstance(new, dict):
+    out = []
+    for k in sorted(set(old) | set(new)):
+      p = f"{path}.{k}" if path else k
+      if k not in old:
+        out.append(f"{p}: (absent) -> {new[k]!r}")
+      elif k not in new:
+        out.append(f"{p}: {old[k]!r} -> (absent)")
+      else:
+        out += diff(old[k], new[k], p)
+    return out
+  return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+
+
+def summary(resolved: Mapping[str, Any], full_path: str,
+            file_defaults: tuple[str, Mapping[str, Any]] | None = None,
+            limit: int = 40) -> str:
+  """The resolved config as a few lines: what differs from the config file's own values
+  (`file_defaults`: (spec, that file's config resolved the same way); the command
+  line's overrides, in effect), and where the whole of it is (`full_path`). Without
+  the file's values (a run started from Python), one line."""
+  if file_defaults is None:
+    return f"config: in full in {full_path}"
+  spec, defaults = file_defaults
+  changes = diff(dict(defaults), dict(resolved))
+  if not changes:
+    return f"config: {spec} as it is (in full: {full_path})"
+  lines = [f"config: {spec} with {len(changes)} change(s) (in full: {full_path}):"]
+  lines += [f"  {c}" for c in changes[:limit]]
+  if len(changes) > limit:
+    lines.append(f"  ... {len(changes) - limit} more (see {full_path})")
+  return "\n".join(lines)
+
+
+# The config file the entry point was started with and its values before the command
+# line's overrides (`run` loads it to check the overrides): what `summary` diffs against.
+_file_config: tuple[str, Any] | None = None
+
+
+def file_config() -> tuple[str, Any] | None:
+  """(spec, ConfigDict) of the entry point's --config file without the command line's
+  overrides, or None outside `run` (a notebook, a test)."""
+  return _file_config
+
+
 def as_plain(obj) -> Any:
   """A built config (dataclasses, tuples, mappings) as JSON-able plain data."""
   if dataclasses.is_dataclass(obj):
@@ -282,10 +329,13 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
     if spec is None and not helping and flags.FLAGS[config_flag].default is None:
       usage_exit(f"--{config_flag} is required (a config file)")
     if spec is not None:
+      global _file_config
       try:
-        check_overrides(argv, _load_config_file(spec), config_flag)
+        loaded = _load_config_file(spec)
+        check_overrides(argv, loaded, config_flag)
       except (ConfigError, ValueError, OSError) as e:
         usage_exit(f"config error: {e}")
+      _file_config = (spec, loaded)
     try:
       rest = flags.FLAGS(argv)
     except flags.Error as e:
@@ -307,11 +357,15 @@ def run(main: Callable[[Sequence[str]], Any], config_flag: str = "config") -> No
     except interrupt.Interrupted as e:
       print(f"interrupted: {e}", file=sys.stderr)
       sys.exit(128 + e.signum)
+    except KeyboardInterrupt as e:
+      # A second Ctrl-C (`interrupt.Aborted`), or one before the run's handlers are in
+      # place: one line, not the traceback of wherever it landed.
+      print(str(e) if isinstance(e, interrupt.Aborted) else
+            "aborted by SIGINT; run the same command again to resume from what was "
+            "saved", file=sys.stderr)
+      sys.exit(128 + signal.SIGINT)
 
-  # absl shows INFO logs; these two of JAX's greet every run and mean nothing here: "Unable
-  # to initialize backend 'tpu'" (JAX tries every plugin it knows, then takes the CPU or GPU)
-  # and the compile cache's "Resetting cache at <empty>".
-  for name in ("jax._src.xla_bridge", "jax._src.compilation_cache"):
-    logging.getLogger(name).setLevel(logging.WARNING)
+  # JAX's start-up INFO lines ("Unable to initialize backend 'tpu'", "Resetting cache at
+  # <empty>") are dropped by the filter rstar_jax/__init__.py installs on import.
   app.run(wrapped, flags_parser=parser)
 

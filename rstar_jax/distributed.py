@@ -50,14 +50,18 @@ class DistributedConfig:
     if self.cpu_collectives not in CPU_COLLECTIVES:
       raise ValueError(f"DistributedConfig.cpu_collectives={self.cpu_collectives!r}; choose "
                        f"from {CPU_COLLECTIVES}")
-    if self.num_processes < 0 or self.process_id < -1:
-      raise ValueError(f"DistributedConfig: num_processes ({self.num_processes}) must be >= 0 "
-                       f"and process_id ({self.process_id}) >= -1")
+    if self.num_processes < 0:
+      raise ValueError(f"DistributedConfig.num_processes must be >= 0 (0: from the "
+                       f"environment), got {self.num_processes!r}")
+    if self.process_id < -1:
+      raise ValueError(f"DistributedConfig.process_id must be >= -1 (-1: from the "
+                       f"environment), got {self.process_id!r}")
     if self.num_processes and self.process_id >= self.num_processes:
       raise ValueError(f"DistributedConfig: process_id {self.process_id} is not below "
                        f"num_processes {self.num_processes}")
     if self.initialization_timeout_s <= 0:
-      raise ValueError("DistributedConfig.initialization_timeout_s must be positive")
+      raise ValueError(f"DistributedConfig.initialization_timeout_s must be > 0, got "
+                       f"{self.initialization_timeout_s!r}")
 
 
 def _env_int(name: str) -> int | None:

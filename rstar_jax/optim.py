@@ -41,9 +41,11 @@ class OptimizerConfig:
       raise ValueError("OptimizerConfig.total_steps must exceed the warm-up for "
                        f"warmup_cosine (got {self.total_steps}, warm-up {self.warmup})")
     if self.grad_clip_norm is not None and self.grad_clip_norm <= 0:
-      raise ValueError(f"OptimizerConfig.grad_clip_norm must be > 0 or None")
+      raise ValueError(f"OptimizerConfig.grad_clip_norm must be > 0 or None, got "
+                       f"{self.grad_clip_norm!r}")
     if not 0 <= self.min_lr_ratio <= 1:
-      raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1]")
+      raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got "
+                       f"{self.min_lr_ratio!r}")
 
   @property
   def warmup(self) -> int:

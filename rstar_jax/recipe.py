@@ -72,9 +72,9 @@ class RLStage:
   reset_optimizer: bool = False
 
   def __post_init__(self):
-    if self.num_steps < 0 or self.hard_k < 1 or self.hard_pool < 0:
-      raise ValueError(f"RLStage: num_steps >= 0, hard_k >= 1, hard_pool >= 0 required (got "
-                       f"{self.num_steps}, {self.hard_k}, {self.hard_pool})")
+    for name, low in (("num_steps", 0), ("hard_k", 1), ("hard_pool", 0)):
+      if getattr(self, name) < low:
+        raise ValueError(f"RLStage.{name} must be >= {low}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,19 +233,7 @@ def _is_launch_key(path: str) -> bool:
   return any(path == k or path.startswith(k + ".") for k in _LAUNCH_KEYS)
 
 
-def _diff(old: Any, new: Any, path: str = "") -> list[str]:
-  if isinstance(old, dict) and isinstance(new, dict):
-    out = []
-    for k in sorted(set(old) | set(new)):
-      p = f"{path}.{k}" if path else k
-      if k not in old:
-        out.append(f"{p}: (absent) -> {new[k]!r}")
-      elif k not in new:
-        out.append(f"{p}: {old[k]!r} -> (absent)")
-      else:
-        out += _diff(old[k], new[k], p)
-    return out
-  return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
+_diff = config_utils.diff
 
 
 def _make_workdir(path: str) -> str:
@@ -738,10 +726,24 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     return _run_locked(cfg, stages)
 
 
+def _file_defaults() -> tuple[str, dict] | None:
+  """(spec, resolved plain config) of the entry point's config file before its command
+  line's overrides, for the printed config diff; None without one, or when the file's
+  own values do not build (then the overrides are what makes it valid)."""
+  file_config = config_utils.file_config()
+  if file_config is None:
+    return None
+  spec, config = file_config
+  try:
+    return spec, json.loads(resolved_json(build_config(config)))
+  except (TypeError, ValueError):
+    return None
+
+
 def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, Any]:
   workdir, config_path = check_workdir(cfg)
   if distributed.is_main():
-    print(f"config ({config_path}):\n{resolved_json(cfg)}")
+    print(config_utils.summary(json.loads(resolved_json(cfg)), config_path, _file_defaults()))
   todo = plan(cfg, workdir, stages)
   reports: dict[str, Any] = {}
   if not todo:

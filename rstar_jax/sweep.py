@@ -12,7 +12,9 @@ in its own work directory `<sweep workdir>/<point name>`, the name made from its
 overrides (sorted by key, e.g. `rl.downsample.method=uniform,seed=1`). A point is
 finished when its `eval_final.json` exists or the run exited 0 (then `SWEEP_DONE.json`
 is written), and the command that finished it is the sweep's (order of the arguments
-aside); finished points are skipped on rerun. The result tables read `eval_final.json`
+aside); finished points are skipped on rerun. SIGINT / SIGTERM to the sweep reach every
+running point once (`Stop`): they save and stop, and a rerun resumes them. The result
+tables read `eval_final.json`
 (and the last row of the last RL stage's metrics) of each point and average the
 finished points that differ only in `seed`.
 
@@ -518,7 +520,9 @@ def changed_command(point: Point, argv: Sequence[str]) -> str | None:
 @dataclasses.dataclass
 class Outcome:
   point: Point
-  status: str          # "done" (ran now), "skipped" (finished before), "failed", "interrupted"
+  # "done" (ran now), "skipped" (finished before), "failed", "interrupted" (stopped by
+  # SIGINT / SIGTERM: a rerun resumes it), "not started" (the sweep was stopped first).
+  status: str
   returncode: int | None = None
   seconds: float = 0.0
   detail: str = ""
@@ -527,23 +531,161 @@ class Outcome:
 # Exit statuses of a child stopped by Ctrl-C or SIGTERM (a preemption): the recipe's
 # 128 + signal after it saved, or killed by the signal itself.
 _INTERRUPTED = tuple(x for s in (signal.SIGINT, signal.SIGTERM) for x in (128 + s, -s))
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return f"signal {signum}"
+
+
+class Stop:
+  """SIGINT / SIGTERM to the sweep, passed on to the points it runs.
+
+  Each point runs in its own process group: a Ctrl-C at the terminal reaches the sweep
+  alone (the terminal signals its foreground group), and the sweep sends each running
+  point's group the signal it got, exactly once per signal received. A point thus gets
+  one SIGINT for one Ctrl-C (a second one would make the recipe abort without saving),
+  and a SIGTERM from a scheduler, which reaches only the sweep's PID, reaches the points
+  too. No point starts after a signal. A point is started with PR_SET_PDEATHSIG =
+  SIGTERM on Linux: a sweep killed outright (SIGKILL, an OOM kill) still stops its
+  points the way a scheduler would, checkpoint included, instead of orphaning them.
+
+  As a context manager (in the main thread), it installs the handlers explicitly:
+  a background job of a non-interactive shell starts with SIGINT ignored, and
+  Python then leaves it ignored. Handlers run in the main thread, so the lock below
+  is never held by the thread a handler interrupts.
+  """
+
+  def __init__(self, log: Callable[[str], None] = print):
+    self.signum: int | None = None    # the first signal received
+    self.received = 0
+    self._log = log
+    self._lock = threading.Lock()
+    self._running: dict[str, subprocess.Popen] = {}
+    self._old: dict[int, Any] = {}
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  @property
+  def name(self) -> str:
+    return _signal_name(self.signum) if self.signum is not None else ""
+
+  def __enter__(self) -> "Stop":
+    if threading.current_thread() is threading.main_thread():
+      self._old = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, old in self._old.items():
+      signal.signal(s, old)
+    self._old = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    self.request(signum)
+
+  def request(self, signum: int) -> None:
+    """Stops the sweep on `signum`: no point starts; the running ones get `signum`."""
+    with self._lock:
+      first = self.signum is None
+      if first:
+        self.signum = signum
+      self.received += 1
+      running = dict(self._running)
+      for proc in running.values():
+        _signal_group(proc, signum)
+    name = _signal_name(signum)
+    if not running:
+      self._log(f"[sweep] {name} received: no point is running; none is started")
+    elif first:
+      self._log(f"[sweep] {name} received: sent to the {len(running)} running point(s) "
+                f"({', '.join(running)}), which save and stop; none is started. Waiting "
+                "for them (a rerun resumes them)")
+    else:
+      self._log(f"[sweep] {name} received again: sent to the {len(running)} running "
+                "point(s) again (a second SIGINT makes a recipe stop at once, without "
+                "saving the step in flight); waiting for them")
+
+  def start(self, name: str, argv: Sequence[str], **kwargs) -> subprocess.Popen | None:
+    """The point's process, started in its own process group and registered (None when
+    the sweep is stopping): under the lock, so a signal reaches it exactly once."""
+    with self._lock:
+      if self.signum is not None:
+        return None
+      proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
+                              preexec_fn=_point_preexec(os.getpid()), **kwargs)
+      self._running[name] = proc
+      return proc
+
+  def finished(self, name: str) -> None:
+    with self._lock:
+      self._running.pop(name, None)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    if proc.poll() is None:
+      os.killpg(proc.pid, signum)
+
+
+def _point_preexec(parent: int) -> Callable[[], None]:
+  """What a point's process does between fork and exec: its own process group, SIGINT
+  and SIGTERM at their defaults (a sweep started in the background passes SIGINT on
+  ignored, and a point would then miss the Ctrl-C the sweep forwards before its own
+  handlers are installed), and SIGTERM when the sweep dies (Linux). The kernel sends
+  that signal when the *thread* that forked the point ends: the worker thread that
+  starts a point waits for it (`_run_one`), so it outlives the point unless the sweep
+  dies."""
+  prctl = None
+  if sys.platform.startswith("linux"):
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):
+      prctl = ctypes.CDLL(None, use_errno=True).prctl
+  pr_set_pdeathsig = 1
+
+  def preexec() -> None:
+    os.setpgid(0, 0)
+    for s in STOP_SIGNALS:
+      signal.signal(s, signal.SIG_DFL)
+    if prctl is not None:
+      prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+      if os.getppid() != parent:   # the sweep died before prctl: stop now
+        os.kill(os.getpid(), signal.SIGTERM)
+  return preexec
 
 
 def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,
-             cwd: str | None) -> Outcome:
+             cwd: str | None, stop: Stop) -> Outcome:
   os.makedirs(point.workdir, exist_ok=True)
   t0 = time.time()
   with open(point.log, "a") as log:
     log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
     log.flush()
     try:
-      rc = subprocess.call(list(argv), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                           env=None if env is None else dict(env))
+      proc = stop.start(point.name, argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                        env=None if env is None else dict(env))
     except OSError as e:
       log.write(f"# could not start: {e}\n")
       return Outcome(point, "failed", None, time.time() - t0, f"could not start: {e}")
+    if proc is None:
+      return Outcome(point, "not started", None, 0.0,
+                     f"not started ({stop.name} received before it)")
+    try:
+      rc = proc.wait()
+    finally:
+      stop.finished(point.name)
   seconds = time.time() - t0
   if rc != 0:
+    if rc in _INTERRUPTED:
+      sig = _signal_name(rc - 128 if rc > 0 else -rc)
+      how = (f"saved and exited with status {rc}" if rc > 0 else
+             f"killed by {sig} before it could save")
+      return Outcome(point, "interrupted", rc, seconds, f"stopped by {sig} ({how})")
     return Outcome(point, "failed", rc, seconds, f"exit status {rc}")
   _write_atomic(os.path.join(point.workdir, DONE_MARKER),
                 json.dumps({"command": list(argv), "overrides": point.overrides,
@@ -554,9 +696,14 @@ def _run_one(point: Point, argv: Sequence[str], env: Mapping[str, str] | None,
 
 def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]], *,
                workers: int = 1, env: Mapping[str, str] | None = None, cwd: str | None = None,
-               log: Callable[[str], None] = print) -> list[Outcome]:
+               log: Callable[[str], None] = print, stop: Stop | None = None) -> list[Outcome]:
   """Runs the unfinished points, up to `workers` at once; a failed point is reported
-  with its log and the others go on. Outcomes are in the order of `points`."""
+  with its log and the others go on. Outcomes are in the order of `points`.
+
+  SIGINT / SIGTERM (see `Stop`; pass one to read which signal stopped the sweep) are
+  passed on to the running points, which save and stop (status "interrupted": a rerun
+  resumes them); the points not started yet are "not started"; this returns when every
+  running point has exited."""
   if workers < 1:
     raise ConfigError(f"--workers must be >= 1, got {workers}")
   outcomes: dict[str, Outcome] = {}
@@ -574,23 +721,23 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
       todo.append(p)
   lock = threading.Lock()
   count = [0]
-
-  stop = threading.Event()
+  own = stop is None
+  stop = Stop(log) if own else stop
 
   def one(p: Point) -> Outcome:
+    if stop.requested:
+      return Outcome(p, "not started", None, 0.0, f"not started ({stop.name} received before it)")
     with lock:
-      if stop.is_set():
-        return Outcome(p, "failed", None, 0.0, "not started (sweep interrupted)")
       log(f"[sweep] start {p.name} (log: {p.log})")
-    out = _run_one(p, argv_of(p), env, cwd)
+    out = _run_one(p, argv_of(p), env, cwd, stop)
     with lock:
+      if out.status == "not started":
+        return out
       count[0] += 1
       head = f"[sweep] {count[0]}/{len(todo)}"
-      if out.status == "failed" and (stop.is_set() or out.returncode in _INTERRUPTED):
-        # Ctrl-C reached the child too: it saved and stopped; a rerun resumes it.
-        out = dataclasses.replace(out, status="interrupted")
-        log(f"{head} interrupted {p.name} after {out.seconds:.0f} s (a rerun resumes it); "
-            f"log: {p.log}")
+      if out.status == "interrupted":
+        log(f"{head} interrupted {p.name} after {out.seconds:.0f} s: {out.detail}; a rerun "
+            f"resumes it; log: {p.log}")
       elif out.status == "failed":
         log(f"{head} FAILED {p.name}: {out.detail} after {out.seconds:.0f} s; log: {p.log}")
       else:
@@ -598,18 +745,10 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
     return out
 
   if todo:
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
-    try:
-      for out in pool.map(one, todo):
-        outcomes[out.point.name] = out
-    except KeyboardInterrupt:
-      # Ctrl-C reached the running children too (same process group): they stop at a
-      # step boundary and save; no queued point starts.
-      stop.set()
-      log("[sweep] interrupted: waiting for the running points to stop; none is started")
-      pool.shutdown(wait=True, cancel_futures=True)
-      raise
-    pool.shutdown(wait=True)
+    with stop if own else contextlib.nullcontext():
+      with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for out in pool.map(one, todo):
+          outcomes[out.point.name] = out
   return [outcomes[p.name] for p in points]
 
 
@@ -686,6 +825,9 @@ def result_rows(points: Sequence[Point], outcomes: Sequence[Outcome] | None = No
   order = [k for k in EVAL_KEYS if k in metric_cols]
   order += sorted(k for k in metric_cols if k.startswith("pass_at_") and k not in order)
   order += [k for k in metric_cols if k not in order]
+  for row in rows:   # a metric a point lacks (null, no such key) is missing: "n/a"
+    for k in order:
+      row.setdefault(k, None)
   return rows, ["point", "status", *keys, *order]
 
 
@@ -698,10 +840,12 @@ def _numeric(v) -> float | None:
 def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
               metric_cols: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
   """Points that differ only in `seed`, grouped: n finished points, the seeds left out
-  (with their status), then per metric "mean ± std" over the finished points only (std
-  with ddof=1, as over repeated runs; only the mean for one seed; "(n=k)" when k
-  values are fewer than the group's points). Raw `<metric>_mean` / `<metric>_std` go
-  in the dict too (for CSV)."""
+  (with their status), then per metric "mean ± std" over the finished points that have
+  a value (a missing one, e.g. a tool-error rate inside correct trajectories of a run
+  with none correct, is skipped, never counted as 0; std with ddof=1, as over repeated
+  runs; only the mean for one value; "(n=k)" when k values are fewer than the group's
+  points; None, "n/a" in the tables, when no point has one). Raw `<metric>_mean` /
+  `<metric>_std` go in the dict too (for CSV)."""
   groups: dict[str, list[int]] = {}
   rest_of: dict[str, dict[str, Any]] = {}
   for i, p in enumerate(points):
@@ -715,17 +859,20 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
     row: dict[str, Any] = {"group": g}
     row.update({k: format_value(rest_of[g][k]) if k in rest_of[g] else "" for k in keys})
     seeds = [points[i].overrides.get(SEED_KEY) for i in idx]
-    row["seeds"] = " ".join(str(s) for s in seeds)
+    # A sweep without a seed axis: no seeds to list, and a point left out is named.
+    label = lambda i: (str(points[i].overrides[SEED_KEY]) if SEED_KEY in points[i].overrides
+                       else points[i].name)
+    row["seeds"] = " ".join(str(s) for s in seeds if s is not None)
     # Only finished points count: an interrupted run's last RL row is from an early step,
     # and a failed or stale point's eval_final.json is from an earlier command.
     done = [i for i in idx if rows[i]["status"] == "finished"]
     row["n"] = len(done)
-    row["left out"] = ", ".join(f"{points[i].overrides.get(SEED_KEY)} ({rows[i]['status']})"
+    row["left out"] = ", ".join(f"{label(i)} ({rows[i]['status']})"
                                 for i in idx if i not in done)
     for col in metric_cols:
       vals = [x for x in (_numeric(rows[i].get(col)) for i in done) if x is not None]
       if not vals:
-        row[col] = ""
+        row[col] = None
         continue
       mean = float(np.mean(vals))
       std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
@@ -737,15 +884,15 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
 
 
 def _fmt(v: Any) -> str:
-  if v is None:
-    return ""
+  if v is None:   # a missing value (rollout/stats.py): never 0, never a blank
+    return "n/a"
   if isinstance(v, float):
     return f"{v:.4g}"
   return str(v)
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-  esc = lambda s: _fmt(s).replace("|", "\\|")
+  esc = lambda s: _fmt(s).replace("|", "\\|")   # None: "n/a"; an absent cell: blank
   lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(esc(r.get(c, "")) for c in columns) + " |" for r in rows]
   return "\n".join(lines)

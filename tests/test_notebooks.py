@@ -71,19 +71,26 @@ def test_01_roc_ablation_reads_a_sweep(tmp_path):
     os.makedirs(os.path.join(p.workdir, "stage1"))
     with open(os.path.join(p.workdir, "stage1", "metrics_rl.jsonl"), "w") as f:
       for step in range(1, steps + 1):
-        f.write(json.dumps({"step": step,
-                            "rollout/tool_error_rate_correct": max(0.3 + slope * step, 0) +
-                            0.01 * rng.rand(), "rollout/reward_mean": 0.5 + 0.01 * step,
-                            "rollout/model_tokens_mean": 60 - 0.2 * step}) + "\n")
+        row = {"step": step, "rollout/tool_error_rate_correct": max(0.3 + slope * step, 0) +
+               0.01 * rng.rand(), "rollout/reward_mean": 0.5 + 0.01 * step,
+               "rollout/model_tokens_mean": 60 - 0.2 * step}
+        if steps == 20 and step == 2:   # no correct trajectory at this step: no rate
+          del row["rollout/tool_error_rate_correct"]
+        f.write(json.dumps(row) + "\n")
+    uniform = p.overrides["rl.downsample.method"] == "uniform"
     with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
-      json.dump({"pass_at_1": 0.7 + 0.01 * p.overrides["seed"], "tool_error_rate_correct": 0.05,
+      json.dump({"pass_at_1": 0.7 + 0.01 * p.overrides["seed"],
+                 "tool_error_rate_correct": None if uniform else 0.05,
                  "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
   sweep.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
   text = _text(_run("01_roc_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3,
                     early_late=4))
   assert "4 points in" in text and "not finished" in text
   assert "| rl.downsample.method=roc | 2 | 0.705 ± 0.007071 |" in text
-  assert "| rl.downsample.method=uniform | 1 | 0.7 (n=1) |" in text
+  # A missing value is "n/a", never 0, and means skip it saying over how many.
+  assert "| rl.downsample.method=uniform | 1 | 0.7 (n=1) | n/a |" in text, text
+  assert "| rl.downsample.method=roc | 2 | 0.705 ± 0.007071 | 0.05 ± 0 |" in text, text
+  assert "3/4, 4/4" in text   # the uniform arm's first steps: one without a value
   assert "too few steps" in text
   assert "err change" in text
 

@@ -106,7 +106,11 @@ def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
   with open(os.path.join(workdir, "config.json")) as f:
     saved = json.load(f)
   assert saved["rl"]["downsample"]["use_error_penalty"] is True   # every field, resolved
-  assert saved["stage1"]["num_steps"] == 2 and '"use_format_penalty": true' in log
+  assert saved["stage1"]["num_steps"] == 2 and saved["rl"]["downsample"]["use_format_penalty"]
+  # Printed: what differs from the config file (the full config is in config.json).
+  assert (f"config: {SMOKE} with 1 change(s) (in full: {workdir}/config.json):\n"
+          f"  workdir: '/tmp/rstar_toy' -> '{workdir}'\n") in log, log[:2000]
+  assert '"use_format_penalty"' not in log
   out = _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
              "--stages=sft", check=False)
   assert out.returncode == 2
@@ -115,7 +119,9 @@ def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
   assert json.load(open(os.path.join(workdir, "config.json"))) == saved   # never overwritten
   log = _run(workdir, "--config.stage1.num_steps=2", "--config.rl.optimizer.learning_rate=1e-3",
              "--stages=sft", "--config.allow_config_change=True")
-  assert f"config ({os.path.join(workdir, 'config_1.json')}):" in log   # the file it wrote
+  # The file it wrote, and the change from the config file.
+  assert f"(in full: {os.path.join(workdir, 'config_1.json')}):" in log
+  assert "  rl.optimizer.learning_rate: 0.0003 -> 0.001\n" in log
   beside = json.load(open(os.path.join(workdir, "config_1.json")))
   assert beside["rl"]["optimizer"]["learning_rate"] == 1e-3
   assert json.load(open(os.path.join(workdir, "config.json"))) == saved

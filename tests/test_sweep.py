@@ -7,8 +7,11 @@ fails when `fail=True`. One real two-point sweep of the smoke recipe is marked s
 import csv
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -298,6 +301,184 @@ def test_a_point_stopped_by_ctrl_c_is_interrupted_not_failed(tmp_path):
   assert not any("FAILED a=1" in l or "FAILED a=3" in l for l in lines), lines
 
 
+# ---- signals: Ctrl-C, SIGTERM, a background start, a killed sweep ----------------------
+# A stand-in for the recipe that stops the way it does: the real `StopRequests` and
+# `config_utils.run` (a signal -> checkpoint at the step boundary, exit 128 + signal),
+# stepping while its `hold` file exists, resuming from its checkpoint on a rerun.
+STOPPABLE_CONFIG = """
+import ml_collections
+
+def get_config():
+  return ml_collections.ConfigDict(dict(seed=0, workdir="", steps=3, hold=""))
+"""
+
+STOPPABLE_CHILD = """
+import json, os, time
+from ml_collections import config_flags
+from rstar_jax import config_utils
+from rstar_jax.train import interrupt
+
+_C = config_flags.DEFINE_config_file("config")
+
+def main(argv):
+  c = _C.value
+  os.makedirs(c.workdir, exist_ok=True)
+  ckpt = os.path.join(c.workdir, "ckpt.json")
+  step = json.load(open(ckpt))["step"] if os.path.exists(ckpt) else 0
+  with open(os.path.join(c.workdir, "runs.txt"), "a") as f:
+    f.write(f"from step {step}\\n")
+  with interrupt.StopRequests() as stop:
+    with open(os.path.join(c.workdir, "pid"), "w") as f:
+      f.write(str(os.getpid()))
+    while step < c.steps or os.path.exists(c.hold):
+      if stop.requested:
+        with open(ckpt, "w") as f:
+          json.dump({"step": step}, f)
+        raise interrupt.Interrupted(stop.signum, step)
+      time.sleep(0.02)
+      step += 1
+  with open(os.path.join(c.workdir, "eval_final.json"), "w") as f:
+    json.dump({"pass_at_1": 0.5 + c.seed / 10}, f)
+
+if __name__ == "__main__":
+  config_utils.run(main)
+"""
+
+
+@pytest.fixture
+def stoppable(tmp_path):
+  """(sweep arguments of a 3-point sweep run 2 at once, env, hold file, sweep root)."""
+  mods = tmp_path / "mods"
+  mods.mkdir()
+  (mods / "stoppable_child.py").write_text(STOPPABLE_CHILD)
+  cfg = tmp_path / "stoppable_cfg.py"
+  cfg.write_text(STOPPABLE_CONFIG)
+  hold = tmp_path / "hold"
+  hold.write_text("")
+  root = tmp_path / "sw"
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(mods), REPO]))
+  args = ["-m", "experiments.sweep", "--config", str(cfg), "--workdir", str(root),
+          "--seeds", "0,1,2", "--workers", "2", "--module", "stoppable_child",
+          f"--config.hold={hold}"]
+  return args, env, hold, root
+
+
+def _wait_for(cond, what, timeout=120.0):
+  # A generous limit for a loaded machine: reaching it is the failure, not its speed.
+  t0 = time.monotonic()
+  while not cond():
+    if time.monotonic() - t0 > timeout:
+      raise AssertionError(f"timed out waiting for {what}")
+    time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+  """The process exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def _running_points(root, n=2):
+  """The pids of the n points that are running (inside their StopRequests)."""
+  pids = {}
+
+  def seen():
+    for d in root.iterdir() if root.exists() else ():
+      if (d / "pid").exists() and (d / "pid").read_text():
+        pids[d.name] = int((d / "pid").read_text())
+    return len(pids) >= n
+  _wait_for(seen, f"{n} running points")
+  return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "background-sigint"])
+def test_a_signal_stops_the_running_points_writes_tables_and_a_rerun_resumes(stoppable, how):
+  """Ctrl-C at a terminal (SIGINT to the sweep's process group), SIGTERM to its PID (a
+  scheduler), SIGINT to a sweep started in the background by a script (SIGINT ignored
+  from the start): each running point gets the signal once, saves and exits 128 +
+  signal; the queued point does not start; the tables are written; no point process
+  is left; the same command again resumes the stopped points from their checkpoints."""
+  args, env, hold, root = stoppable
+  signum = signal.SIGTERM if how == "sigterm" else signal.SIGINT
+  out_path, err_path = root.parent / "sweep.out", root.parent / "sweep.err"
+  if how == "background-sigint":
+    # The premise: a non-interactive shell's background job starts with SIGINT ignored.
+    ign = subprocess.run(["bash", "-c", "grep SigIgn /proc/self/status & wait"],
+                         capture_output=True, text=True).stdout
+    assert int(ign.split()[1], 16) & (1 << (signal.SIGINT - 1)), ign
+    shell = subprocess.Popen(
+        ["bash", "-c", f'{shlex.join([sys.executable, *args])} >{out_path} 2>{err_path} & '
+                       'echo $!; wait $!'], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    pid = int(shell.stdout.readline())
+    pids = _running_points(root)
+    os.kill(pid, signum)
+    shell.stdout.close()
+    rc = shell.wait(timeout=120)   # `wait $!` gives the sweep's exit status
+  else:
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+      # Its own process group, as a terminal's foreground job: Ctrl-C signals the group.
+      proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out,
+                              stderr=err, process_group=0)
+      pids = _running_points(root)
+      if how == "ctrl-c":
+        os.killpg(proc.pid, signum)
+      else:
+        os.kill(proc.pid, signum)
+      rc = proc.wait(timeout=120)
+  stdout, stderr = out_path.read_text(), err_path.read_text()
+  name = signal.Signals(signum).name
+  assert rc == 128 + signum, stdout + stderr
+  assert f"[sweep] {name} received: sent to the 2 running point(s)" in stdout, stdout
+  assert f"sweep stopped by {name}" in stderr and "Ctrl-C again" not in stdout + stderr
+  assert not any(_alive(p) for p in pids.values())
+  manifest = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}
+  stopped = sorted(pids)
+  queued = sorted(set(manifest) - set(pids))
+  assert len(stopped) == 2 and len(queued) == 1
+  for n in stopped:
+    # Exactly one signal reached each point: it saved and exited 128 + signal (a second
+    # SIGINT would have aborted it without a checkpoint).
+    assert manifest[n]["status"] == "interrupted", manifest[n]
+    assert manifest[n]["returncode"] == 128 + signum, manifest[n]
+    assert json.load(open(root / n / "ckpt.json"))["step"] > 0
+    assert f"stopped by {name}" in open(root / n / "sweep.log").read()
+  assert manifest[queued[0]]["status"] == "not started"
+  assert not (root / queued[0] / "runs.txt").exists()
+  rows = {r["point"]: r for r in csv.DictReader(open(root / "results.csv"))}
+  assert {rows[n]["status"] for n in stopped} == {"interrupted"}
+  assert "## Mean ± std over seeds" in stdout and (root / "results.md").exists()
+  # The same command again, nothing held: the stopped points resume, the queued one runs.
+  hold.unlink()
+  out = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stdout + out.stderr
+  for n in stopped:
+    runs = open(root / n / "runs.txt").read().splitlines()
+    assert runs[0] == "from step 0" and runs[1] != "from step 0" and len(runs) == 2, runs
+  assert open(root / queued[0] / "runs.txt").read().splitlines() == ["from step 0"]
+  assert {r["status"] for r in csv.DictReader(open(root / "results.csv"))} == {"finished"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_killed_sweep_leaves_no_orphan(stoppable):
+  """SIGKILL to the sweep (an OOM kill): its points get SIGTERM from the kernel
+  (PR_SET_PDEATHSIG), save and exit instead of running on without a parent."""
+  args, env, hold, root = stoppable
+  proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  pids = _running_points(root)
+  proc.kill()
+  proc.wait()
+  _wait_for(lambda: not any(_alive(p) for p in pids.values()), "the points to stop")
+  for n in pids:
+    assert json.load(open(root / n / "ckpt.json"))["step"] > 0
+    assert "stopped by SIGTERM" in open(root / n / "sweep.log").read()
+
+
 def test_done_marker_or_eval_final_counts_as_finished(tmp_path):
   p = sweep.make_points([{"a": 1}], str(tmp_path))[0]
   assert sweep.finished(p) is None
@@ -330,7 +511,9 @@ def test_tables_mean_std_over_seeds(tmp_path):
   for p in pts:
     key = (p.overrides["m"], p.overrides["seed"])
     if key in acc:
-      _write_point(p, {"pass_at_1": acc[key], "tool_error_rate_correct": None,
+      # No correct trajectory in 4 of 5 runs: the rate is missing (null), not 0.
+      terc = 0.25 if key == ("roc", 1) else None
+      _write_point(p, {"pass_at_1": acc[key], "tool_error_rate_correct": terc,
                        "mean_response_tokens": 10.0 * p.overrides["seed"],
                        "pass_at_k": {"1": acc[key], "4": 1.0}},
                    metrics=[{"step": 1, "rollout/reward_mean": 0.1},
@@ -339,7 +522,7 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert cols[:4] == ["point", "status", "m", "seed"]
   assert rows[0]["pass_at_1"] == 0.5 and rows[0]["pass_at_4"] == 1.0
   assert rows[0]["last_rl/reward_mean"] == 0.3 and rows[0]["last_rl/stage"] == "stage2"
-  assert rows[5]["status"] == "missing" and "pass_at_1" not in rows[5]
+  assert rows[5]["status"] == "missing" and rows[5]["pass_at_1"] is None
   md = sweep.write_tables(str(tmp_path), pts)
   grouped = list(csv.DictReader(open(tmp_path / "results_seeds.csv")))
   assert [g["group"] for g in grouped] == ["m=roc", "m=uniform"]
@@ -350,10 +533,17 @@ def test_tables_mean_std_over_seeds(tmp_path):
   assert float(grouped[1]["pass_at_1_mean"]) == pytest.approx(0.3)
   assert float(grouped[1]["mean_response_tokens_std"]) == pytest.approx(
       np.std([0.0, 10.0], ddof=1))
-  assert grouped[0]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
+  # Missing values are skipped, never averaged in as 0; the cell says over how many.
+  assert float(grouped[0]["tool_error_rate_correct_mean"]) == 0.25
+  assert grouped[0]["tool_error_rate_correct_std"] == ""
+  assert grouped[1]["tool_error_rate_correct_mean"] == ""   # all None: no number invented
   per_point = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert len(per_point) == 6 and per_point[1]["pass_at_1"] == "0.6"
-  assert "| m=roc | roc | 0 1 2 | 3 |  | 0.6 ± 0.1 |" in md
+  assert "| m=roc | roc | 0 1 2 | 3 |  | 0.6 ± 0.1 | 0.25 (n=1) |" in md, md
+  assert "| m=uniform | uniform | 0 1 2 | 2 | 2 (missing) | 0.3 ± 0.1414 (n=2) | n/a |" in md, md
+  # Per point: a null is "n/a" in the table, blank in the CSV.
+  assert "| m=roc,seed=0 | finished | roc | 0 | 0.5 | n/a |" in md, md
+  assert "| m=uniform,seed=2 | missing | uniform | 2 | n/a | n/a |" in md, md
   assert "0.3 ± 0.1414 (n=2)" in md
   assert md == open(tmp_path / "results.md").read()
 
@@ -385,7 +575,7 @@ def test_seed_table_counts_only_finished_points(tmp_path):
   assert roc["n"] == "2" and roc["left out"] == "2 (interrupted)"
   assert u["n"] == "0" and u["left out"] == "0 (failed), 1 (failed)"
   assert "| m=roc | roc | 0 1 2 | 2 | 2 (interrupted) | 0.8 ± 0 (n=2) |" in md, md
-  assert "| m=u | u | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in md, md
+  assert "| m=u | u | 0 1 | 0 | 0 (failed), 1 (failed) | n/a |" in md, md
 
 
 def test_without_outcomes_a_point_finished_with_another_command_is_stale(tmp_path):
@@ -548,7 +738,7 @@ def test_a_failed_rerun_with_another_command_reports_no_old_results(fake, tmp_pa
   assert len(grouped) == 1 and grouped[0]["n"] == "0"
   assert grouped[0]["pass_at_1_mean"] == "" and grouped[0]["pass_at_1_std"] == ""
   assert grouped[0]["left out"] == "0 (failed), 1 (failed)"
-  assert "| base | 0 1 | 0 | 0 (failed), 1 (failed) |  |" in out.stdout, out.stdout
+  assert "| base | 0 1 | 0 | 0 (failed), 1 (failed) | n/a |" in out.stdout, out.stdout
 
 
 def test_the_same_command_in_another_order_is_not_a_change(fake, tmp_path):
@@ -654,3 +844,44 @@ def test_real_recipe_two_points(tmp_path):
   assert cfg["rl"]["downsample"]["method"] == "uniform" and cfg["stage1"]["num_steps"] == 1
   out = _sweep_cli(env, *args)
   assert out.stdout.count("finished before") == 3
+
+
+def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
+  pts = sweep.make_points([{"m": "roc"}, {"m": "u"}], str(tmp_path))
+  _write_point(pts[0], {"pass_at_1": 0.5})
+  md = sweep.write_tables(str(tmp_path), pts, [sweep.Outcome(pts[0], "done"),
+                                               sweep.Outcome(pts[1], "not started")])
+  assert "| m=roc | roc |  | 1 |  | 0.5 |" in md, md
+  assert "| m=u | u |  | 0 | m=u (not started) | n/a |" in md, md
+  assert "None" not in md
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
+  """A scheduler's SIGTERM to a sweep of the smoke recipe mid-SFT: the point saves and
+  exits 143, the queued point does not start, and the rerun resumes SFT where it stopped."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  root = tmp_path / "sw"
+  args = [sys.executable, "-m", "experiments.sweep", "--config",
+          "experiments/configs/toy.py:smoke", "--workdir", str(root), "--sweep",
+          "rl.downsample.method=roc,uniform", "--config.stage1.num_steps=1"]
+  rows = root / "rl.downsample.method=roc" / "sft" / "metrics_sft.jsonl"
+  with open(tmp_path / "out", "w") as out:
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 2,
+              "two SFT steps", timeout=900)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "out").read_text()
+  points = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}
+  assert points["rl.downsample.method=roc"]["status"] == "interrupted"
+  assert points["rl.downsample.method=roc"]["returncode"] == 128 + signal.SIGTERM
+  assert points["rl.downsample.method=uniform"]["status"] == "not started"
+  log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
+  step = int(log.split("interrupted: stopped by SIGTERM after step ")[1].split()[0])
+  out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
+  assert f"resumed SFT at step {step}" in log
+  assert {r["status"] for r in csv.DictReader(open(root / "results.csv"))} == {"finished"}

@@ -1,15 +1,38 @@
 """The recipe's progress plot: accuracy, tool-error rate inside correct trajectories and
-response length over the RL steps of every stage, with the stage boundaries."""
+response length over the RL steps of every stage, with the stage boundaries.
+
+A step whose row lacks a metric (a rate over nothing, e.g. the tool-error rate inside
+correct trajectories at a step with no correct trajectory: rollout/stats.py) is a gap
+in its curve, never a 0."""
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+KEYS = (("rollout/reward_mean", "accuracy (sampled, all rollouts)"),
+        ("rollout/tool_error_rate_correct", "tool-error rate in correct trajectories"),
+        ("rollout/model_tokens_mean", "response length (model tokens)"))
 
-def plot_rl_progress(workdir: str, stages: Sequence[str]) -> str | None:
-  """PNG of accuracy, tool-error rate inside correct trajectories, response length."""
+
+def _value(row: dict[str, Any], key: str) -> float:
+  """The row's number for `key`; NaN (a gap) when missing: no key, null, a non-number."""
+  v = row.get(key)
+  if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+    return math.nan
+  try:
+    return float(v)   # "nan" / "inf": how the writer keeps non-finite values in JSON
+  except ValueError:
+    return math.nan
+
+
+def rl_series(workdir: str, stages: Sequence[str], keys: Sequence[str] = tuple(k for k, _ in KEYS)
+              ) -> dict[str, Any]:
+  """The RL steps of `stages` one after another: "step" (global), "stage" (its name per
+  step), "starts" ({stage: first global step - 0.5}) and each key (NaN where missing).
+  Empty ("step" of length 0) when no stage has logged a step."""
   from rstar_jax import metrics as metrics_lib
   rows, offset = [], 0
   for stage in stages:
@@ -20,28 +43,35 @@ def plot_rl_progress(workdir: str, stages: Sequence[str]) -> str | None:
     for r in stage_rows:
       rows.append({**r, "global_step": r["step"] + offset, "stage": stage})
     offset += max((r["step"] for r in stage_rows), default=0)
-  if not rows:
+  out: dict[str, Any] = {"step": np.asarray([r["global_step"] for r in rows], dtype=float),
+                         "stage": [r["stage"] for r in rows], "starts": {}}
+  for r in rows:
+    out["starts"].setdefault(r["stage"], r["global_step"] - 0.5)
+  for k in keys:
+    out[k] = np.asarray([_value(r, k) for r in rows], dtype=float)
+  return out
+
+
+def plot_rl_progress(workdir: str, stages: Sequence[str]) -> str | None:
+  """PNG of accuracy, tool-error rate inside correct trajectories, response length."""
+  series = rl_series(workdir, stages)
+  if not len(series["step"]):
     return None
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  keys = [("rollout/reward_mean", "accuracy (sampled, all rollouts)"),
-          ("rollout/tool_error_rate_correct", "tool-error rate in correct trajectories"),
-          ("rollout/model_tokens_mean", "response length (model tokens)")]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-  x = [r["global_step"] for r in rows]
-  # Stage boundaries: stage 3 trains on the hard subset only, so its accuracy drops.
-  starts = {}
-  for r in rows:
-    starts.setdefault(r["stage"], r["global_step"] - 0.5)
-  for ax, (k, title) in zip(axes, keys):
-    y = [float(r.get(k, np.nan)) for r in rows]
-    ax.plot(x, y, marker=".")
-    for stage, at in starts.items():
+  x = series["step"]
+  for ax, (k, title) in zip(axes, KEYS):
+    # NaN breaks the line: a step without a value is a gap; markers keep a lone value visible.
+    ax.plot(x, series[k], marker=".")
+    # Stage boundaries: stage 3 trains on the hard subset only, so its accuracy drops.
+    for stage, at in series["starts"].items():
       ax.axvline(at, color="gray", linestyle=":", linewidth=1)
       ax.text(at, 1.0, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=8,
               va="top", color="gray")
-    ax.set_title(title)
+    missing = int(np.isnan(series[k]).sum())
+    ax.set_title(title + (f"\n({missing} step(s) without a value: gaps)" if missing else ""))
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
   fig.tight_layout()

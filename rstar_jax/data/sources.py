@@ -41,9 +41,11 @@ class TokenizerConfig:
       raise ValueError(f"TokenizerConfig.kind={self.kind!r}; choose from {TOKENIZER_KINDS}")
     if self.kind == "hf" and not self.path:
       raise ValueError("TokenizerConfig.path must name a HF tokenizer directory for kind 'hf'")
-    if self.vocab_size <= 0 or not 1 <= self.number_chunk <= 3:
-      raise ValueError(f"TokenizerConfig: vocab_size must be > 0 and number_chunk in 1..3 "
-                       f"(got {self.vocab_size}, {self.number_chunk})")
+    if self.vocab_size <= 0:
+      raise ValueError(f"TokenizerConfig.vocab_size must be > 0, got {self.vocab_size!r}")
+    if not 1 <= self.number_chunk <= 3:
+      raise ValueError(f"TokenizerConfig.number_chunk must be in 1..3, got "
+                       f"{self.number_chunk!r}")
 
 
 def build_tokenizer(cfg: TokenizerConfig, workdir: str, *, seed: int
@@ -101,8 +103,9 @@ class ToyDataConfig:
     unknown = sorted(set(self.kinds) - set(toy_task.kinds()))
     if unknown:
       raise ValueError(f"ToyDataConfig.kinds: unknown {unknown}; known {list(toy_task.kinds())}")
-    if self.train_problems < 0 or self.eval_problems < 0:
-      raise ValueError("ToyDataConfig: train_problems and eval_problems must be >= 0")
+    for name in ("train_problems", "eval_problems"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"ToyDataConfig.{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

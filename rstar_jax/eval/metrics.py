@@ -108,10 +108,9 @@ class ProblemStats:
   truncated: int
 
 
-def _ratio(numerator: float, denominator: float) -> float | None:
-  # None (JSON null, "n/a" in the table) rather than 0 or NaN: "no tool calls at all"
-  # must not read as "no tool errors".
-  return numerator / denominator if denominator else None
+# None (JSON null, "n/a" in the table) rather than 0 or NaN: "no tool calls at all"
+# must not read as "no tool errors" (the rule: rollout/stats.py).
+_ratio = stats.ratio
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -64,8 +64,9 @@ class Qwen3Config:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
           f"Qwen3Config.attention_impl={self.attention_impl!r}; choose from {ATTENTION_IMPLS}")
-    if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-      raise ValueError("Qwen3Config: rope_theta and rms_norm_eps must be positive")
+    for name in ("rope_theta", "rms_norm_eps"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"Qwen3Config.{name} must be > 0, got {getattr(self, name)!r}")
 
   @property
   def num_params(self) -> int:

@@ -109,6 +109,9 @@ def config_from_hf_dict(d: dict[str, Any], where: str = "config.json",
 
 
 def load_config(hf_dir: str, **overrides: Any) -> Qwen3Config:
+  if not os.path.isdir(hf_dir):
+    raise CheckpointError(f"{hf_dir}: " + ("not a directory" if os.path.exists(hf_dir)
+                                          else "no such directory") + " (no config.json)")
   path = os.path.join(hf_dir, "config.json")
   if not os.path.exists(path):
     raise CheckpointError(f"{hf_dir}: no config.json")

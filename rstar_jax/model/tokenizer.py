@@ -132,6 +132,9 @@ class Tokenizer:
   def from_dir(cls, model_dir: str) -> Tokenizer:
     """Loads a Hugging Face model directory: `tokenizer.json` plus, if present,
     `tokenizer_config.json` for the eos / pad tokens."""
+    if not os.path.isdir(model_dir):   # said as such, not as a tokenizer format problem
+      raise FileNotFoundError(f"{model_dir!r}: " + ("not a directory" if os.path.exists(model_dir)
+                                                    else "no such directory"))
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(

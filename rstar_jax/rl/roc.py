@@ -50,6 +50,7 @@ import numpy as np
 
 from rstar_jax.answers import count_answer_tags  # noqa: F401  (re-exported)
 from rstar_jax.registry import Registry
+from rstar_jax.rollout import stats as stats_lib
 
 __all__ = [
     "RolloutStats",
@@ -321,21 +322,22 @@ def select_group(group: Sequence[RolloutStats], config: DownsampleConfig,
 class DownsampleResult:
   """Per group, the sorted indices of the kept rollouts (empty: group dropped); step stats."""
   kept: tuple[np.ndarray, ...]
-  stats: dict[str, float]
+  stats: dict[str, float]   # a rate over nothing is left out (see `downsample`)
 
   @property
   def num_kept(self) -> int:
     return int(sum(k.size for k in self.kept))
 
 
-def _error_rate(rollouts: list[RolloutStats]) -> float:
-  calls = sum(s.num_tool_calls for s in rollouts)
-  # 0.0 rather than NaN when nothing called the tool: the loop stops on non-finite metrics.
-  return sum(s.num_tool_errors for s in rollouts) / calls if calls else 0.0
+def _error_rate(rollouts: list[RolloutStats]) -> float | None:
+  # None (left out of the step's metrics) when nothing called the tool: "no call to
+  # count" is not "no tool error" (rollout/stats.py).
+  return stats_lib.ratio(sum(s.num_tool_errors for s in rollouts),
+                         sum(s.num_tool_calls for s in rollouts))
 
 
-def _mean(xs: list[float]) -> float:
-  return float(np.mean(xs)) if xs else 0.0
+def _mean(xs: list[float]) -> float | None:
+  return float(np.mean(xs)) if xs else None
 
 
 def downsample(groups: Sequence[Sequence[RolloutStats]], config: DownsampleConfig,
@@ -343,7 +345,8 @@ def downsample(groups: Sequence[Sequence[RolloutStats]], config: DownsampleConfi
   """Applies `config` to every prompt group of a step.
 
   Stats ("all_*" are over every generated rollout, dropped groups included; "kept_*" over
-  the kept ones; error rates are errored calls / calls, 0 when there was no call):
+  the kept ones; error rates are errored calls / calls; a rate or mean over nothing, e.g.
+  no positive kept or no tool call, is left out of the stats: missing, not 0):
     roc/groups, roc/groups_dropped, roc/kept, roc/kept_positives, roc/kept_negatives,
     roc/all_positives, roc/all_negatives, roc/kept_pos_penalty_mean,
     roc/all_pos_penalty_mean, roc/kept_pos_err_penalty_mean, roc/kept_pos_format_penalty_mean,
@@ -396,4 +399,4 @@ def downsample(groups: Sequence[Sequence[RolloutStats]], config: DownsampleConfi
       "roc/all_pos_tool_error_rate": _error_rate(all_pos),
       "roc/all_tool_error_rate": _error_rate(all_rollouts),
   }
-  return DownsampleResult(kept=tuple(kept), stats=stats)
+  return DownsampleResult(kept=tuple(kept), stats=stats_lib.present(stats))

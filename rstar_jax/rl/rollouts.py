@@ -282,20 +282,21 @@ def check_weight_versions(trajs: Sequence[agent_loop.Trajectory], version: str |
 
 def metrics(trajs: Sequence[agent_loop.Trajectory], prefix: str = "rollout/"
             ) -> dict[str, float]:
-  """Per-step rollout metrics (rates without any call to count are logged as 0)."""
-  n = max(len(trajs), 1)
-  out = {"reward_mean": sum(t.reward or 0.0 for t in trajs) / n}
+  """Per-step rollout metrics. A ratio with nothing to count (the tool-error rate
+  without a tool call, or inside correct trajectories when none is correct; any mean
+  over no trajectory) is left out: missing, never 0 (`stats.present`)."""
+  n = len(trajs)
+  out = {"reward_mean": stats.ratio(sum(t.reward or 0.0 for t in trajs), n)}
   tool = stats.tool_stats(trajs)
-  out.update({k: (v if v is not None else 0.0) for k, v in tool.items()
-              if k in ("tool_calls_per_traj", "tool_error_rate", "tool_error_rate_correct")})
+  out.update({k: tool[k] for k in ("tool_calls_per_traj", "tool_error_rate",
+                                   "tool_error_rate_correct", "no_tool_share")})
   out.update({
-      "no_tool_share": tool["no_tool_share"],
-      "truncated_share": sum(t.truncated for t in trajs) / n,
-      "model_tokens_mean": sum(t.model_tokens for t in trajs) / n,
-      "response_tokens_mean": sum(len(t.response_ids) for t in trajs) / n,
-      "turns_mean": sum(t.num_turns for t in trajs) / n,
+      "truncated_share": stats.ratio(sum(t.truncated for t in trajs), n),
+      "model_tokens_mean": stats.ratio(sum(t.model_tokens for t in trajs), n),
+      "response_tokens_mean": stats.ratio(sum(len(t.response_ids) for t in trajs), n),
+      "turns_mean": stats.ratio(sum(t.num_turns for t in trajs), n),
   })
-  return {prefix + k: v for k, v in out.items()}
+  return {prefix + k: v for k, v in stats.present(out).items()}
 
 
 def rollout_stats(t: agent_loop.Trajectory) -> roc.RolloutStats:

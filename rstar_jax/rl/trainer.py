@@ -333,9 +333,11 @@ class RLTrainer:
           history.append(m)
           if bar is not None:
             bar.update(1)
-            bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}",
-                            tool_err=f"{m['rollout/tool_error_rate']:.2f}",
-                            len=f"{m['rollout/model_tokens_mean']:.0f}")
+            # A rate over nothing is missing from `m` (rollout/stats.py): "n/a".
+            fmt = lambda k, f: format(m[k], f) if k in m else "n/a"
+            bar.set_postfix(reward=fmt("rollout/reward_mean", ".3f"),
+                            tool_err=fmt("rollout/tool_error_rate", ".2f"),
+                            len=fmt("rollout/model_tokens_mean", ".0f"))
           if on_step is not None:
             on_step(self.step, m)
           if self.step % self.config.checkpoint_every == 0:

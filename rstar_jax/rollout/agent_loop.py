@@ -42,11 +42,16 @@ class AgentConfig:
   top_k: int = 0
 
   def __post_init__(self):
-    if self.max_turns <= 0 or self.max_response_tokens <= 0:
-      raise ValueError(f"AgentConfig: max_turns and max_response_tokens must be positive "
-                       f"(got {self.max_turns}, {self.max_response_tokens})")
-    if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-      raise ValueError("AgentConfig: bad sampling parameters")
+    for name in ("max_turns", "max_response_tokens"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+    if not self.temperature >= 0:   # NaN too
+      raise ValueError(f"AgentConfig.temperature must be >= 0 (0: greedy), got "
+                       f"{self.temperature!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"AgentConfig.top_p must be in (0, 1], got {self.top_p!r}")
+    if self.top_k < 0:
+      raise ValueError(f"AgentConfig.top_k must be >= 0 (0: no top-k cut), got {self.top_k!r}")
 
 
 @dataclasses.dataclass

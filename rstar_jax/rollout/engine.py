@@ -32,10 +32,17 @@ class GenerationRequest:
       raise ValueError(f"request {self.request_id}: {len(self.input_ids)} input tokens do "
                        f"not fit the engine's max_len={max_len}")
     if self.max_new_tokens <= 0:
-      raise ValueError(f"request {self.request_id}: max_new_tokens must be positive")
-    if not 0.0 < self.top_p <= 1.0 or self.temperature < 0 or not 0 <= self.top_k < 2**31:
-      raise ValueError(f"request {self.request_id}: bad sampling params "
-                       f"(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
+      raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1, got "
+                       f"{self.max_new_tokens!r}")
+    if not self.temperature >= 0:
+      raise ValueError(f"request {self.request_id}: bad sampling params: temperature must be >= 0 (0: greedy), "
+                       f"got {self.temperature!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"request {self.request_id}: bad sampling params: top_p must be in (0, 1], got "
+                       f"{self.top_p!r}")
+    if not 0 <= self.top_k < 2**31:
+      raise ValueError(f"request {self.request_id}: bad sampling params: top_k must be in [0, 2**31) (0: no "
+                       f"top-k cut), got {self.top_k!r}")
     # The engines carry seeds as int32: one out of range would fail the whole batch.
     if not -2**31 <= self.seed < 2**31:
       raise ValueError(f"request {self.request_id}: seed={self.seed} is not a 32-bit int")

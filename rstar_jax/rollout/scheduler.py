@@ -161,7 +161,8 @@ class EnginePool:
       total += m["generated_tokens"]
       out[f"{e.name}/requests"] = m["requests"]
       out[f"{e.name}/generated_tokens"] = m["generated_tokens"]
-      out[f"{e.name}/mean_queue_wait_s"] = m["queue_wait_s"] / max(m["requests"], 1)
+      if m["requests"]:   # a mean over no request is missing, not 0 (rollout/stats.py)
+        out[f"{e.name}/mean_queue_wait_s"] = m["queue_wait_s"] / m["requests"]
       if hasattr(e, "stats"):
         es = e.stats()
         for k in ("slot_utilisation", "busy_fraction"):

@@ -155,8 +155,9 @@ class ClientConfig:
       raise ValueError(f"ClientConfig.pause_mode: {self.pause_mode!r}, choose from "
                        f"{UPDATE_PAUSE_MODES} (in_place cannot be followed by a weight update "
                        f"with a cache flush on SGLang)")
-    if self.retries < 0 or self.flush_retries < 1:
-      raise ValueError("ClientConfig: retries must be >= 0 and flush_retries >= 1")
+    for name, low in (("retries", 0), ("flush_retries", 1)):
+      if getattr(self, name) < low:
+        raise ValueError(f"ClientConfig.{name} must be >= {low}, got {getattr(self, name)!r}")
 
 
 # ---- Request bodies (pure: the contract tests validate exactly these) -------------

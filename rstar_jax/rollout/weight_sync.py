@@ -135,8 +135,9 @@ class DiskWeightSync:
       shutil.rmtree(self.published.pop(0), ignore_errors=True)
     gb = nbytes / 1e9
     last = {"sync/write_s": t1 - t0, "sync/update_s": t2 - t1, "sync/total_s": t2 - t0,
-            "sync/gb": gb, "sync/servers": float(len(per_server)),
-            "sync/s_per_gb": (t2 - t0) / gb if gb else 0.0}
+            "sync/gb": gb, "sync/servers": float(len(per_server))}
+    if gb:   # a rate over nothing is missing, not 0 (rollout/stats.py)
+      last["sync/s_per_gb"] = (t2 - t0) / gb
     log.info("weight sync %s: %.3f GB written in %.2f s, %d server(s) updated in %.2f s",
              version, gb, t1 - t0, len(per_server), t2 - t1)
     return last

@@ -78,6 +78,7 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, 
       out["positions"][r, at:at + L] = np.arange(L)
       out["loss_mask"][r, at:at + L] = mask[1:]
       at += L
-  stats = {"examples": len(items), "rows": n, "truncated": truncated,
-           "fill": float(out["segment_ids"].astype(bool).mean()) if n else 0.0}
+  stats = {"examples": len(items), "rows": n, "truncated": truncated}
+  if n:   # the fill of no row is missing, not 0 (rollout/stats.py)
+    stats["fill"] = float(out["segment_ids"].astype(bool).mean())
   return out, stats

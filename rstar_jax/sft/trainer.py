@@ -48,12 +48,13 @@ class SFTConfig:
   step: ts.StepConfig = dataclasses.field(default_factory=ts.StepConfig)
 
   def __post_init__(self):
-    if self.epochs <= 0 or self.seq_len <= 1 or self.rows_per_step <= 0:
-      raise ValueError("SFTConfig: epochs, seq_len, rows_per_step must be positive (got "
-                       f"{self.epochs}, {self.seq_len}, {self.rows_per_step})")
-    if self.eval_every <= 0 or self.checkpoint_every <= 0 or self.keep_checkpoints <= 0:
-      raise ValueError("SFTConfig: eval_every, checkpoint_every, keep_checkpoints must be "
-                       "positive")
+    if not self.epochs > 0:
+      raise ValueError(f"SFTConfig.epochs must be > 0, got {self.epochs!r}")
+    if self.seq_len < 2:   # a row holds inputs and their next-token targets
+      raise ValueError(f"SFTConfig.seq_len must be >= 2, got {self.seq_len!r}")
+    for name in ("rows_per_step", "eval_every", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)!r}")
     if not 0 <= self.heldout_share < 1:
       raise ValueError(f"SFTConfig.heldout_share must be in [0, 1), got {self.heldout_share}")
 
@@ -134,7 +135,7 @@ class SFTTrainer:
              for k, v in self.heldout.items()}
     s, t = self.eval_fn(self.state.params, batch)
     s, t = float(distributed.host_value(s)), float(distributed.host_value(t))
-    return s / max(t, 1.0)
+    return s / t if t else None   # no target token: missing, not 0 (rollout/stats.py)
 
   def maybe_restore(self) -> bool:
     if self.ckpt.latest_step() is None:

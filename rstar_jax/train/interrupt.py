@@ -5,8 +5,11 @@ half-updated (the jitted step donates its input buffers) or the data iterator on
 batch ahead of the saved parameters. Inside `StopRequests`, the first SIGINT or
 SIGTERM only sets `requested`; the training loop checks it between steps, writes a
 checkpoint of the finished step with its data position and raises `Interrupted`.
-A second SIGINT aborts at once (KeyboardInterrupt), for a step that would take too
-long; then nothing of the unfinished step is saved.
+A second SIGINT aborts at once (`Aborted`, a KeyboardInterrupt), for a step that would
+take too long; then nothing of the unfinished step is saved. Inside `uninterrupted()`
+(a checkpoint being written) the abort waits until the write is done: orbax's save
+threads would otherwise die half-way with pages of tracebacks, next to a checkpoint
+that may not be whole. The entry points (`config_utils.run`) end an abort with one line.
 
 `StopRequests` nest: an inner one (a trainer's loop) shares the outer one's (the
 recipe's stage loop) request, so a signal that lands after a trainer's last step is
@@ -14,6 +17,7 @@ not lost: the recipe finishes the stage in flight and stops before the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -28,6 +32,62 @@ class Interrupted(Exception):
     where = after if after is not None else f"step {step}"
     super().__init__(f"stopped by {signal.Signals(signum).name} after {where} "
                      "(checkpoint saved; run the same command again to resume)")
+
+
+class Aborted(KeyboardInterrupt):
+  """A second SIGINT: stop now, without saving the step in flight."""
+
+  def __init__(self, signum: int = signal.SIGINT, first: int | None = None):
+    self.signum = signum
+    name = signal.Signals(signum).name
+    how = (f"a second {name}" if first in (None, signum) else
+           f"{name} after {signal.Signals(first).name}")
+    super().__init__(f"aborted by {how}: the step in flight is not saved; run the same "
+                     "command again to resume from the last checkpoint")
+
+
+# Depth of `uninterrupted()` blocks, and an abort that arrived inside one.
+_critical = 0
+_pending: Aborted | None = None
+
+
+@contextlib.contextmanager
+def uninterrupted():
+  """A block that a second SIGINT does not cut (a checkpoint write): the abort is
+  raised when the block ends. Outside `StopRequests` (whose handler knows of this
+  block), Python's own SIGINT handler is replaced for the block, in the main thread."""
+  global _critical, _pending
+  own = None
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    own = signal.signal(signal.SIGINT, _hold_abort)
+  _critical += 1
+  try:
+    yield
+  finally:
+    _critical -= 1
+    if own is not None:
+      signal.signal(signal.SIGINT, own)
+    if _critical == 0 and _pending is not None:
+      pending, _pending = _pending, None
+      raise pending
+
+
+def _abort(signum: int, first: int | None = None) -> None:
+  global _pending
+  if _critical:
+    if _pending is None:
+      logging.warning("%s%s received: aborting once the checkpoint being written is "
+                      "complete", "second " if first in (None, signum) else "",
+                      signal.Signals(signum).name)
+    _pending = Aborted(signum, first)
+    return
+  raise Aborted(signum, first)
+
+
+def _hold_abort(signum, frame) -> None:
+  del frame
+  _abort(signum)
 
 
 class StopRequests:
@@ -53,11 +113,20 @@ class StopRequests:
     return self.signum is not None
 
   def _handle(self, signum, frame):
-    if self._signum is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt   # second Ctrl-C: abort now
-    self._signum = signum
-    logging.warning("%s received: stopping at the next step boundary (Ctrl-C again to "
-                    "abort now)", signal.Signals(signum).name)
+    del frame
+    root = self._root
+    name = signal.Signals(signum).name
+    if root._signum is not None:
+      if signum == signal.SIGINT:
+        _abort(signum, root._signum)   # abort now (after a checkpoint write in flight)
+      else:
+        logging.warning("%s received: already stopping at the next step boundary (a "
+                        "SIGINT aborts at once, without saving the step in flight)", name)
+      return
+    root._signum = signum
+    logging.warning("%s received: stopping at the next step boundary, after saving it (a "
+                    "%sSIGINT aborts at once, without saving the step in flight)", name,
+                    "second " if signum == signal.SIGINT else "")
 
   def __enter__(self) -> "StopRequests":
     self._outer = StopRequests._active

@@ -37,9 +37,9 @@ class StepConfig:
   compute_entropy: bool = True
 
   def __post_init__(self):
-    if self.micro_batches <= 0 or self.logprob_chunk <= 0:
-      raise ValueError(f"StepConfig: micro_batches and logprob_chunk must be > 0 "
-                       f"(got {self.micro_batches}, {self.logprob_chunk})")
+    for name in ("micro_batches", "logprob_chunk"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"StepConfig.{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 def opt_state_shardings(abstract_opt_state, param_shardings, mesh):
