@@ -44,7 +44,8 @@ SGLANG_VERSION = "0.5.23"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
            "sglang/srt/entrypoints/http_server.py", "sglang/srt/entrypoints/v1_loads.py",
-           "sglang/srt/managers/load_snapshot.py")
+           "sglang/srt/managers/load_snapshot.py", "sglang/srt/arg_groups/fields/exec_.py",
+           "sglang/srt/server_args.py", "sglang/srt/utils/common.py")
 
 
 # ---- SGLang's schema ------------------------------------------------------------------
@@ -107,6 +108,20 @@ class SGLangSchema:
     self.load_snapshot_keys = set(_class_fields(read("sglang/srt/managers/load_snapshot.py"),
                                                 "LoadSnapshot"))
     self.sampling_fields = tuple(self.api.SamplingParams.__struct_fields__)
+    # Deterministic inference: a field of the `exec.deterministic` namespace, one of the
+    # namespaces ServerArgs is assembled from (flat fields), and /server_info is built
+    # from the resolved ServerArgs (`build_server_info` -> `resolved_dict`).
+    self.deterministic_fields = set(_class_fields(
+        read("sglang/srt/arg_groups/fields/exec_.py"), "ExecDeterministic"))
+    self.server_args_namespaces = {
+        elt.id for node in ast.walk(read("sglang/srt/server_args.py"))
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets)
+        for elt in node.value.elts if isinstance(elt, ast.Name)}
+    self.server_info_calls = {
+        n.func.attr for f in ast.walk(read("sglang/srt/utils/common.py"))
+        if isinstance(f, ast.FunctionDef) and f.name == "build_server_info"
+        for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
   # -- requests --
   def check_generate_request(self, body: dict) -> None:
