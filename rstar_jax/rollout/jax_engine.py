@@ -16,6 +16,12 @@ whose input extends that content (the same trajectory resuming after a tool call
 is placed there and prefills only the new tokens. If the slot was taken meanwhile,
 the request is prefilled from scratch elsewhere: correct either way.
 
+Batch invariance (`batch_invariant`): the choices above make a call's shapes depend on
+the requests that share it, and XLA:CPU rounds a row differently under other shapes, so
+a request's log-probs depended on its company and on timing. The switch fixes every
+call's shapes by the request alone (whole-slot decode, one request per prefill, no
+prefix reuse): docs/guides/reproducibility.md.
+
 Parameters: `update_weights(state)` swaps what the next step uses. With
 `per_layer_weights` (default) the engine keeps its own copy of the layers' weights,
 one buffer per layer; otherwise it reads the trainer's arrays in place (no copy).
