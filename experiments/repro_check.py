@@ -200,54 +200,72 @@ def engine_table() -> dict:
   def req(rid, n, new, seed):
     return GenerationRequest(input_ids=rng.randint(0, cfg.vocab_size, n).tolist(),
                              max_new_tokens=new, seed=seed, temperature=1.0, request_id=rid)
-  target = req("target", 70, 40, 0)                 # a toy prompt's length
-  others = [req(f"n{i}", int(rng.randint(60, 200)), 60, i + 1) for i in range(15)]
+  # A toy prompt is ~70 tokens; a short one (20) stays in the decode buckets below 128.
+  targets = {"short (20 tokens)": req("target", 20, 40, 0),
+             "toy-length (70 tokens)": req("target", 70, 40, 0)}
+  others = [req(f"n{i}", int(rng.randint(10, 200)), 60, i + 1) for i in range(15)]
+  peers = [req(f"p{i}", int(rng.randint(60, 90)), 30, 50 + i) for i in range(3)]
   fill = [req(f"f{i}", 5, 1, 100 + i) for i in range(5)]
+  tool = list(range(10, 40))          # a tool response's tokens
 
   def bits(r):
     return r.output_ids, np.asarray(r.logprobs, np.float32)
+
+  def pick(results):
+    return bits(next(r for r in results if r.request_id == "target"))
 
   def run(ecfg, reqs, before=()):
     e = JaxEngine(model, ecfg)
     if before:
       e.generate_sync(list(before))
-    return bits(next(r for r in e.generate_sync(list(reqs)) if r.request_id == "target"))
+    return pick(e.generate_sync(list(reqs)))
 
-  def second_turn(ecfg):
-    """The target's next turn right after its first (prefix cached) vs on a fresh engine."""
+  def next_turn(first, out, seed=7):
+    return dataclasses.replace(first, input_ids=list(first.input_ids) + out.output_ids + tool,
+                               seed=seed)
+
+  def second_turns(ecfg, target, company):
+    """The target's next turn on the engine that ran its first turn (its prefix cached),
+    with `company` trajectories doing the same at the same moment."""
     e = JaxEngine(model, ecfg)
-    first = e.generate_sync([target])[0]
-    nxt = dataclasses.replace(target, input_ids=list(target.input_ids) + first.output_ids +
-                              list(range(10, 30)), request_id="target", seed=7)
-    return bits(e.generate_sync([nxt])[0]), run(ecfg, [nxt])
+    firsts = [target] + company
+    outs = e.generate_sync(firsts)
+    return pick(e.generate_sync([next_turn(f, o) for f, o in zip(firsts, outs)]))
 
   rows, out = [], {}
   for invariant in (False, True):
     ecfg = EngineConfig(num_slots=16, max_len=384, batch_invariant=invariant)
-    alone = run(ecfg, [target])
-    cases = {
-        "in a full batch (15 others, 60-200 tokens)": run(ecfg, [target] + others),
-        "last of a full batch (queued, other slot)": run(ecfg, others + [target]),
-        "alone in another slot": run(ecfg, [target], before=fill),
-        "4 decode steps per call": run(dataclasses.replace(ecfg, decode_steps=4),
-                                       [target] + others),
-    }
-    warm, fresh = second_turn(ecfg)
-    for name, (ids, lp) in cases.items():
-      rows.append((invariant, name, ids == alone[0], lp, alone[1]))
-    rows.append((invariant, "next turn, prefix cached vs fresh engine", warm[0] == fresh[0],
-                 warm[1], fresh[1]))
-  print("\nOne request's tokens and log-probs versus the same request alone (toy model, 16 "
-        "slots x 384):")
-  print(f"  {'batch_invariant':<16}{'case':<46}{'tokens':>8}{'log-prob bits':>15}"
-        f"{'max |diff|':>12}")
-  for invariant, name, same_ids, lp, ref in rows:
+    for tname, target in targets.items():
+      alone = run(ecfg, [target])
+      cases = {
+          "in a batch of 15 others (10-200 tokens)": run(ecfg, [target] + others),
+          "last of that batch (queued, another slot)": run(ecfg, others + [target]),
+          "alone in another slot": run(ecfg, [target], before=fill),
+          "4 decode steps per call": run(dataclasses.replace(ecfg, decode_steps=4),
+                                         [target] + others),
+      }
+      for name, (ids, lp) in cases.items():
+        rows.append((invariant, tname, name, ids, lp, alone))
+      # Next turns: the reference is the next turn run alone on a fresh engine.
+      e = JaxEngine(model, ecfg)
+      nxt = next_turn(target, e.generate_sync([target])[0])
+      ref = run(ecfg, [nxt])
+      rows.append((invariant, tname, "next turn, prefix cached", *second_turns(ecfg, target, []),
+                   ref))
+      rows.append((invariant, tname, "next turn, cached, 3 peers' next turns too",
+                   *second_turns(ecfg, target, peers), ref))
+  print("\nOne request's tokens and log-probs versus the same request alone on a fresh "
+        "engine (toy model, 16 slots x 384):")
+  print(f"  {'invariant':<10}{'request':<24}{'case':<46}{'tokens':>7}{'log-prob bits':>14}"
+        f"{'max |diff|':>11}")
+  for invariant, tname, name, ids, lp, (ref_ids, ref) in rows:
     n = min(len(lp), len(ref))
+    same_ids = ids == ref_ids
     same_bits = same_ids and np.array_equal(lp[:n].view(np.uint32), ref[:n].view(np.uint32))
     diff = float(np.abs(lp[:n] - ref[:n]).max()) if n else 0.0
-    print(f"  {str(invariant):<16}{name:<46}{'same' if same_ids else 'DIFF':>8}"
-          f"{'same' if same_bits else 'DIFF':>15}{diff:>12.2e}")
-    out.setdefault("on" if invariant else "off", {})[name] = {
+    print(f"  {str(invariant):<10}{tname:<24}{name:<46}{'same' if same_ids else 'DIFF':>7}"
+          f"{'same' if same_bits else 'DIFF':>14}{diff:>11.2e}")
+    out.setdefault("on" if invariant else "off", {})[f"{tname}: {name}"] = {
         "same_tokens": same_ids, "same_bits": bool(same_bits), "max_abs_diff": diff}
   return out
 
