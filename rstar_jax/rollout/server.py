@@ -2,7 +2,10 @@
 
   python -m rstar_jax.rollout.server --hf_dir DIR --port PORT \
       [--host 127.0.0.1] [--num_slots 8] [--max_len 1024] [--min_prefill_bucket 16] \
-      [--weight_version default] [--compile_cache DIR]
+      [--weight_version default] [--compile_cache DIR] [--enable-deterministic-inference]
+
+`--enable-deterministic-inference` (SGLang's flag): batch-invariant generation
+(EngineConfig.batch_invariant), reported in /server_info as SGLang reports it.
 
 So JAX rollouts run as separate processes or hosts behind the same client
 (`sglang_engine.SGLangEngine`) as real SGLang servers. Routes and JSON follow SGLang
