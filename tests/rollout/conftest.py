@@ -227,7 +227,7 @@ class ServerProcess:
 
   def __init__(self, hf_dir: str, log_dir: str, name: str, *, num_slots: int = SERVER_SLOTS,
                max_len: int = SERVER_MAX_LEN, bucket: int = SERVER_BUCKET,
-               one_device: bool = False):
+               one_device: bool = False, extra_args: tuple[str, ...] = ()):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = os.path.join(log_dir, f"server_{name}.log")
@@ -240,7 +240,7 @@ class ServerProcess:
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
          "--port", str(self.port), "--num_slots", str(num_slots),
-         "--max_len", str(max_len), "--min_prefill_bucket", str(bucket)],
+         "--max_len", str(max_len), "--min_prefill_bucket", str(bucket), *extra_args],
         cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
   def wait_ready(self, timeout: float = 240.0) -> None:
