@@ -1,7 +1,8 @@
 """Two runs of a tiny RL stage with batch-invariant rollouts give the same bits: every
 metric (wall-clock ones aside) and every parameter, although the second run's requests
 reach the engine at other times (so other requests share its prefill and decode calls
-and slots) and its tool calls finish in another order.
+and slots), its tool calls finish in another order, and it stops after step 1 and is
+resumed from its checkpoint by a new trainer.
 
 The smoke recipe's random policy almost never earns a reward, which would leave every
 advantage zero and the update a no-op; the reward here is a fixed function of the
@@ -59,7 +60,7 @@ def _parity_reward(text, answer, truncated=False):
   return float(len(text) % 2)
 
 
-def _run(root, stagger: bool):
+def _run(root, stagger: bool, resume: bool = False):
   c = toy.get_config("smoke")
   c.rollout.engine.batch_invariant = True
   # Fewer slots than trajectories (some queue), and settings under which the engine
@@ -72,11 +73,24 @@ def _run(root, stagger: bool):
   model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
   engines = Staggered(pool) if stagger else pool
-  t = rl_trainer.RLTrainer(cfg.rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
-                           ctx.train_problems, engines=engines, tools=tools,
-                           workdir=str(root / "stage1"), seed=0, mesh=ctx.mesh, rules=ctx.rules)
+
+  def trainer(model):
+    return rl_trainer.RLTrainer(cfg.rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
+                                ctx.train_problems, engines=engines, tools=tools,
+                                workdir=str(root / "stage1"), seed=0, mesh=ctx.mesh,
+                                rules=ctx.rules)
+  t = trainer(model)
   try:
-    history = t.run(STEPS, progress=False)
+    if resume:
+      # Stopped after step 1 (its checkpoint is what a SIGINT, SIGTERM or SIGKILL at
+      # any later point leaves), then a new trainer resumes from it.
+      history = t.run(1, progress=False)
+      t.close()
+      t = trainer(recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules))
+      assert t.maybe_restore() and t.step == 1
+      history += t.run(STEPS, progress=False)
+    else:
+      history = t.run(STEPS, progress=False)
     params = [np.asarray(x) for x in jax.tree.leaves(t.params())]
     trajs = [(tr.uid, tr.response_ids, np.float32(tr.response_logprobs).tobytes())
              for tr in t.last_trajectories]
@@ -86,11 +100,11 @@ def _run(root, stagger: bool):
   return history, params, trajs, dict(pool.engines[0].metrics)
 
 
-def test_two_runs_with_other_timings_give_identical_metrics_and_parameters(tmp_path,
-                                                                           monkeypatch):
+def test_two_runs_with_other_timings_and_a_resume_give_identical_metrics_and_parameters(
+    tmp_path, monkeypatch):
   monkeypatch.setattr(rollouts.rewards, "compute_reward", _parity_reward)
   a_hist, a_params, a_trajs, a_engine = _run(tmp_path / "a", stagger=False)
-  b_hist, b_params, b_trajs, b_engine = _run(tmp_path / "b", stagger=True)
+  b_hist, b_params, b_trajs, b_engine = _run(tmp_path / "b", stagger=True, resume=True)
 
   assert len(a_hist) == len(b_hist) == STEPS
   assert any(m["train/grad_norm"] > 0 for m in a_hist), "no gradient: nothing was tested"
