@@ -27,6 +27,16 @@ r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent ro
     runs in one process, and reports the ratio. Use `--slots` >= `--trajectories` so
     the static batch fits the engine at once.
 
+(c) `--invariant`: EngineConfig.batch_invariant off versus on, alternating in one
+    process (`--rounds` runs each), on an agent-shaped workload at the toy recipe's
+    sizes (its model, 64 slots x 384): `--trajectories` trajectories of up to
+    `--max_turns` turns, each turn `--think_tokens` sampled tokens (1/2x-2x per
+    trajectory) then a scripted tool response of 16-40 tokens after a 5-40 ms "tool"
+    wait (asyncio sleep, no sandbox: the engine's cost is what is compared). Reports
+    generated tokens/s, decode ms per step against the decode roofline (limits probed
+    after every round), prefill time and tokens, and whether the two modes sampled the
+    same tokens. Run it alone: `--invariant --skip_a --skip_b`.
+
 Everything goes to --out as JSON too. Not a test: nothing is asserted. Figures depend on the machine and its load.
 """
 from __future__ import annotations
@@ -78,6 +88,8 @@ flags.DEFINE_integer("decode_steps", 4, "EngineConfig.decode_steps: tokens per d
                      "while no request waits (the engine's default is 1)")
 flags.DEFINE_boolean("warm_up", True, "(b) compile every engine shape before timing; "
                      "--nowarm_up compiles each when first met, inside the timings (smoke runs)")
+flags.DEFINE_boolean("invariant", False, "(c) time EngineConfig.batch_invariant off vs on "
+                     "(toy recipe sizes), alternating")
 flags.DEFINE_string("out", "/tmp/bench_rollout.json", "where the figures go as JSON")
 FLAGS = flags.FLAGS
 
@@ -473,6 +485,135 @@ def bench_agent():
           "prefill_tokens": d.get("prefill_tokens", 0), "prefix_grace_s": ecfg.prefix_grace_s}
 
 
+# --- (c) batch-invariant rollouts: what the switch costs --------------------------------
+
+
+def bench_invariant():
+  import jax
+  import numpy as np
+
+  from rstar_jax.model import qwen3
+  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
+
+  # experiments/configs/toy.py's model and engine (vocab: its toy tokenizer's size).
+  cfg = Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=384,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, tie_word_embeddings=True, initializer_range=0.05)
+  model = qwen3.create_model(cfg, seed=1)
+  slots, max_len = 64, 384
+  n_traj, turns, think = FLAGS.trajectories, FLAGS.max_turns, FLAGS.think_tokens
+  rng = np.random.RandomState(0)
+  prompts = [rng.randint(0, cfg.vocab_size, rng.randint(60, 90)).tolist() for _ in range(n_traj)]
+  budgets = [max(4, int(think * 2 ** rng.uniform(-1, 1))) for _ in range(n_traj)]
+  tool_ids = [[rng.randint(0, cfg.vocab_size, rng.randint(16, 41)).tolist() for _ in range(turns)]
+              for _ in range(n_traj)]
+  waits = [[rng.uniform(0.005, 0.04) for _ in range(turns)] for _ in range(n_traj)]
+  modes = {"off": EngineConfig(num_slots=slots, max_len=max_len),
+           "on": EngineConfig(num_slots=slots, max_len=max_len, batch_invariant=True)}
+  engines = {m: JaxEngine(model, c, name=f"jax_{m}") for m, c in modes.items()}
+  compile_s = {}
+  for m, e in engines.items():
+    t = time.perf_counter()
+    compile_s[m] = (e.warm_up(), time.perf_counter() - t)
+
+  async def trajectory(engine, i, seed):
+    ctx, out = list(prompts[i]), []
+    for k in range(turns):
+      budget = min(budgets[i], max_len - 1 - len(ctx))
+      if budget <= 0:
+        break
+      r = await engine.generate(GenerationRequest(
+          input_ids=ctx, max_new_tokens=budget, temperature=1.0, seed=seed * 100_000 + i * 10 + k,
+          request_id=f"{i}/turn{k}"))
+      ctx = ctx + r.output_ids
+      out.append((r.output_ids, np.float32(r.logprobs).tobytes()))
+      if k + 1 < turns and len(ctx) + len(tool_ids[i][k]) < max_len - 1:
+        await asyncio.sleep(waits[i][k])      # the tool runs: the slot is free meanwhile
+        ctx = ctx + tool_ids[i][k]
+    return out
+
+  def run(mode, seed):
+    e = engines[mode]
+    before = dict(e.metrics)
+
+    async def main():
+      return await asyncio.gather(*(trajectory(e, i, seed) for i in range(n_traj)))
+    t = time.perf_counter()
+    outs = asyncio.run(main())
+    wall = time.perf_counter() - t
+    d = {k: v - before.get(k, 0) for k, v in e.metrics.items()}
+    return wall, d, outs
+
+  with JitTimer() as timer:
+    for m in modes:
+      run(m, 0)                                # warm: the event loop, the first calls
+    runs = {m: [] for m in modes}
+    outs = {}
+    probes = {"peak": [], "bandwidth": [], "rows_peak": []}
+    for r in range(FLAGS.rounds):
+      for m in modes:
+        timer.reset()
+        wall, d, outs[m] = run(m, r + 1)
+        runs[m].append((wall, d, dict(timer.seconds), dict(timer.calls)))
+      probes["peak"].append(roofline.matmul_peak_gflops(repeats=3))
+      probes["bandwidth"].append(roofline.memory_bandwidth_gbs(repeats=3))
+      probes["rows_peak"].append(
+          roofline.matmul_chain_gflops(slots, cfg.hidden_size, cfg.intermediate_size, repeats=3))
+  for e in engines.values():
+    e.stop()
+  peak, bandwidth, rows_peak = (statistics.median(probes[k]) for k in probes)
+  # Decode roofline per step (64 rows) with the switch: every weight read once and
+  # applied to every row, plus the k/v of whole slots. Without it a step reads the
+  # length bucket of its longest row where `decode_attend` takes one, a bound that
+  # changes step by step: "off" is not set against it.
+  dense = cfg.num_params
+  kv_bytes = slots * max_len * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+  step_bytes = 4 * dense + kv_bytes
+  attn = 4 * slots * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * max_len
+  step_flops = 2 * slots * dense + attn
+  limit_s = max(step_flops / (rows_peak * 1e9), step_bytes / (bandwidth * 1e9))
+  same_tokens = [[t for t, _ in o] for o in outs["off"]] == [[t for t, _ in o] for o in outs["on"]]
+  same = outs["off"] == outs["on"]
+  print(f"\n(c) batch_invariant off vs on, {FLAGS.rounds} alternating runs each: {n_traj} "
+        f"trajectories x up to {turns} turns of ~{think} tokens (1/2x-2x), tool turns of 16-40 "
+        f"tokens after 5-40 ms; toy model ({cfg.num_params / 1e6:.2f}M params), {slots} slots x "
+        f"{max_len}")
+  print(f"    limits probed after each round (median): 1024^3 matmul {peak:.0f} GFLOP/s, chain of "
+        f"{slots}-row products {rows_peak:.0f} GFLOP/s, read bandwidth {bandwidth:.1f} GB/s; "
+        f"decode step limit (whole slots) {1e3 * limit_s:.2f} ms")
+  print(f"    {'mode':<6}{'wall s':>9}{'tok/s':>9}{'decode ms/step':>16}{'of limit':>10}"
+        f"{'prefill s':>11}{'calls':>7}{'prefill tok':>13}{'reused tok':>12}{'shapes':>8}")
+  summary = {}
+  for m in modes:
+    walls = [w for w, _, _, _ in runs[m]]
+    k = walls.index(statistics.median(walls)) if len(walls) % 2 else int(np.argmin(walls))
+    wall, d, secs, calls = runs[m][k]
+    step_ms = 1e3 * secs["_decode"] / max(d.get("decode_steps", 1), 1)
+    toks = d.get("generated_tokens", 0)
+    summary[m] = {"wall_s": walls, "tokens_per_s": toks / wall, "decode_ms_per_step": step_ms,
+                  "fraction_of_decode_limit": 1e3 * limit_s / step_ms if m == "on" else None,
+                  "prefill_s": secs["_prefill"], "prefill_calls": calls["_prefill"],
+                  "prefill_tokens": d.get("prefill_tokens", 0),
+                  "reused_prefix_tokens": d.get("reused_prefix_tokens", 0),
+                  "decode_steps": d.get("decode_steps", 0), "generated_tokens": toks,
+                  "compiled_shapes": compile_s[m][0], "compile_s": compile_s[m][1]}
+    frac = summary[m]["fraction_of_decode_limit"]
+    print(f"    {m:<6}{wall:>9.2f}{toks / wall:>9.0f}{step_ms:>16.2f}"
+          f"{f'{100 * frac:.0f}%' if frac else '-':>10}{secs['_prefill']:>11.2f}"
+          f"{calls['_prefill']:>7}{summary[m]['prefill_tokens']:>13}"
+          f"{summary[m]['reused_prefix_tokens']:>12}{compile_s[m][0]:>8}")
+  ratio = summary["on"]["tokens_per_s"] / summary["off"]["tokens_per_s"]
+  print(f"    tokens/s with the switch / without: {ratio:.2f} (median run of each); last "
+        f"round, off vs on: {'the same' if same_tokens else 'different'} tokens, "
+        f"{'the same' if same else 'different'} log-prob bits")
+  return {"modes": summary, "on_over_off_tokens_per_s": ratio, "same_bits_last_round": same,
+          "same_tokens_last_round": same_tokens,
+          "probes": probes, "decode_limit_step_s": limit_s, "slots": slots, "max_len": max_len,
+          "trajectories": n_traj, "turns": turns, "think_tokens": think,
+          "jax_devices": str(jax.devices())}
+
+
 def main(_):
   import jax
   # The machine is often shared: the load average says how far to trust the figures.
@@ -483,6 +624,8 @@ def main(_):
     result["generate"] = bench_generate()
   if not FLAGS.skip_b:
     result["agent"] = bench_agent()
+  if FLAGS.invariant:
+    result["invariant"] = bench_invariant()
   result["load_average_end"] = os.getloadavg()
   print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
   results_json.write(FLAGS.out, result)

@@ -43,8 +43,11 @@ def get_config(variant: str = ""):
   c.data = s(recipe.sources.DataConfig, kind="toy",
              toy=dict(levels=(1, 2), kinds=(), train_problems=2000, eval_problems=128))
   c.tools = s(recipe.tools_lib.ToolsConfig, local_max_children=2, timeout_s=5.0)
+  # batch_invariant: a trajectory's tokens and log-probs do not depend on what shares
+  # the engine with it or when, so two runs of this config give the same bits
+  # (docs/guides/reproducibility.md: what it costs).
   c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
-                engine=dict(num_slots=64, max_len=384))
+                engine=dict(num_slots=64, max_len=384, batch_invariant=True))
 
   # ~2000 steps of 12 x 320 packed tokens (~9.5 min on a 2-core host whose matmul peak is
   # ~210 GFLOP/s; 7 epochs took 18m51s end to end there). 10,000 distinct traces

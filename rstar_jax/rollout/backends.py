@@ -33,13 +33,15 @@ class RolloutConfig:
     num_engines: engines behind the scheduler.
     scheduler_policy: how requests are spread over the engines (see scheduler.POLICIES;
       "sticky": a trajectory's turns stay on the engine holding its prefix).
-    engine: the JaxEngine's KV slots and cache length (jax backend).
+    engine: the JaxEngine's KV slots and cache length (jax backend);
+      `engine.batch_invariant` makes its rollouts reproducible bit for bit.
     servers: base URLs of the rollout servers (sglang and server backends), e.g.
       ("http://node1:30000", "http://node2:30000"); one engine per URL.
     weight_sync: how those servers get the trainer's weights (a versioned checkpoint
       on storage they read).
     client: the HTTP client of those servers (time limits, retries, probing, the pause
-      mode of weight updates; `sglang_engine.ClientConfig`).
+      mode of weight updates; `sglang_engine.ClientConfig`); `client.require_deterministic`
+      refuses servers not running SGLang's deterministic inference.
   """
   backend: str = "jax"
   num_engines: int = 1

@@ -16,6 +16,12 @@ whose input extends that content (the same trajectory resuming after a tool call
 is placed there and prefills only the new tokens. If the slot was taken meanwhile,
 the request is prefilled from scratch elsewhere: correct either way.
 
+Batch invariance (`batch_invariant`): the choices above make a call's shapes depend on
+the requests that share it, and XLA:CPU rounds a row differently under other shapes, so
+a request's log-probs depended on its company and on timing. The switch fixes every
+call's shapes by the request alone (whole-slot decode, one request per prefill, no
+prefix reuse): docs/guides/reproducibility.md.
+
 Parameters: `update_weights(state)` swaps what the next step uses. With
 `per_layer_weights` (default) the engine keeps its own copy of the layers' weights,
 one buffer per layer; otherwise it reads the trainer's arrays in place (no copy).
@@ -81,6 +87,25 @@ class EngineConfig:
   # ~1.5 ms of a 1-row x 32-token prefill's ~4 at 64 slots x 512 (`small`). False
   # reads the caller's arrays in place: no second copy of the weights in memory.
   per_layer_weights: bool = True
+  # Batch-invariant rollouts: a request's tokens and log-probs depend on the request
+  # and the weights only, not on which requests share its prefill or decode calls, its
+  # slot, or timing. XLA:CPU rounds a row differently when the shapes of the call it
+  # runs in change, and three of this engine's choices change them with the company a
+  # request keeps: the decode attention length (`decode_attend`: the bucket of the
+  # LONGEST active row), the prefill call's rows and padded length (the requests
+  # admitted with it), and prefix reuse (whether a trajectory's slot still holds its
+  # previous turn when the next arrives: wall-clock, `prefix_grace_s`; k/v computed by
+  # decode steps are not the bits a prefill computes). True: decode always reads whole
+  # slots (every call the same [num_slots, max_len] shapes), each request is prefilled
+  # alone (its own length bucket), and no prefix is reused (every turn is prefilled
+  # from its full context). It overrides decode_buckets, prefill_batch_tokens and
+  # reuse_prefix. Cost: docs/guides/reproducibility.md.
+  batch_invariant: bool = False
+
+  @property
+  def reuses_prefix(self) -> bool:
+    """Whether freed slots keep their k/v for a request that extends them."""
+    return self.reuse_prefix and not self.batch_invariant
 
   def buckets(self) -> list[int]:
     """Every value `length_bucket` can return, ascending."""
@@ -88,8 +113,10 @@ class EngineConfig:
 
   def prefill_rows(self, length: int) -> list[int]:
     """The row counts a prefill call of this length bucket may have (powers of 4, at
-    most num_slots)."""
+    most num_slots; one row when batch_invariant)."""
     out = [1]
+    if self.batch_invariant:
+      return out
     while out[-1] * 4 * length <= self.prefill_batch_tokens and out[-1] * 4 <= self.num_slots:
       out.append(out[-1] * 4)
     return out
@@ -110,7 +137,7 @@ class EngineConfig:
     write, read again), so above ~1/3 reading whole slots is cheaper: one layer at
     64 slots x 208, bucket 128, 0.67 ms sliced vs 0.41 ms whole; x 512, bucket 256,
     1.63 vs 1.21; bucket 128, 0.55 vs 1.16."""
-    if not self.decode_buckets:
+    if not self.decode_buckets or self.batch_invariant:
       return None
     bucket = self.length_bucket(n)
     return bucket if 3 * bucket < self.max_len else None
@@ -388,7 +415,7 @@ class JaxEngine:
     if not free:
       return None
     best, best_len = None, -1
-    if self.config.reuse_prefix:
+    if self.config.reuses_prefix:
       for i in free:
         c = self.slots[i].cached
         if c and len(c) < len(ids) and list(ids[:len(c)]) == c and len(c) > best_len:
@@ -566,7 +593,7 @@ class JaxEngine:
     s.released_at = time.perf_counter()
     if s.weights != self._weights:   # updated since its prefill (counts only grow)
       s.cached, s.held_until = [], 0.0
-    elif hold and self.config.reuse_prefix and self.config.prefix_grace_s > 0:
+    elif hold and self.config.reuses_prefix and self.config.prefix_grace_s > 0:
       s.held_until = s.released_at + self.config.prefix_grace_s
       self.metrics["held_slots"] += 1
     return fut

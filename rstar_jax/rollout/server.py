@@ -2,7 +2,10 @@
 
   python -m rstar_jax.rollout.server --hf_dir DIR --port PORT \
       [--host 127.0.0.1] [--num_slots 8] [--max_len 1024] [--min_prefill_bucket 16] \
-      [--weight_version default] [--compile_cache DIR]
+      [--weight_version default] [--compile_cache DIR] [--enable-deterministic-inference]
+
+`--enable-deterministic-inference` (SGLang's flag): batch-invariant generation
+(EngineConfig.batch_invariant), reported in /server_info as SGLang reports it.
 
 So JAX rollouts run as separate processes or hosts behind the same client
 (`sglang_engine.SGLangEngine`) as real SGLang servers. Routes and JSON follow SGLang
@@ -555,7 +558,9 @@ class RolloutServer:
         "max_running_requests": cfg.num_slots,
         "version": f"rstar_jax rollout server (SGLang {SGLANG_API_VERSION} API subset)",
         "internal_states": [{}], "host": self.host, "port": self.port,
-        "disaggregation_mode": "null", "startup_time": self.started})
+        "disaggregation_mode": "null", "startup_time": self.started,
+        # SGLang's server arg of that name (every resolved arg is a top-level key there).
+        "enable_deterministic_inference": cfg.batch_invariant})
 
   async def loads(self, request: web.Request) -> web.Response:
     load = self.engine.load()
@@ -593,6 +598,9 @@ def main(argv=None) -> None:
                  help="tokens each row samples per decode call (EngineConfig.decode_steps)")
   p.add_argument("--prefill_batch_tokens", type=int, default=EngineConfig.prefill_batch_tokens,
                  help="padded tokens one prefill call may carry (0: one request per call)")
+  p.add_argument("--enable-deterministic-inference", dest="deterministic", action="store_true",
+                 help="batch-invariant generation (EngineConfig.batch_invariant), reported in "
+                      "/server_info as SGLang's flag of that name is")
   p.add_argument("--weight_version", default="default")
   p.add_argument("--compile_cache", default=os.environ.get("RSTAR_COMPILE_CACHE"),
                  help="JAX persistent compilation cache directory")
@@ -605,7 +613,7 @@ def main(argv=None) -> None:
     cfg = EngineConfig(num_slots=args.num_slots, max_len=args.max_len,
                        min_prefill_bucket=args.min_prefill_bucket,
                        prefill_batch_tokens=args.prefill_batch_tokens,
-                       decode_steps=args.decode_steps)
+                       decode_steps=args.decode_steps, batch_invariant=args.deterministic)
     server = RolloutServer(args.hf_dir, cfg, weight_version=args.weight_version,
                            host=args.host, port=args.port)
   except ValueError as e:   # CheckpointError and bad engine sizes

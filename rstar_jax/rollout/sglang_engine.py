@@ -19,7 +19,8 @@ against `output_ids` when present; the finish reason from `meta_info.finish_reas
 Admin calls: `/abort_request`, `/flush_cache` (retried while it answers 400: requests
 still running), `/pause_generation`, `/continue_generation`,
 `/update_weights_from_disk` (with `weight_version`), `/model_info` (confirms it),
-`/health`, `/server_info` (`max_req_input_len`: the length limit; KV capacity) and `/v1/loads` (the server's
+`/health`, `/server_info` (`max_req_input_len`: the length limit; KV capacity;
+`enable_deterministic_inference` where the config requires it) and `/v1/loads` (the server's
 used / total KV tokens, polled in the background for the scheduler's `free_kv_tokens`).
 
 Failure handling:
@@ -70,6 +71,9 @@ _MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "tie_word_embeddings")
 PAUSE_MODES = ("abort", "retract", "in_place")   # what /pause_generation accepts
+# SGLang's server arg (--enable-deterministic-inference), which /server_info reports at the
+# top level with every other resolved server arg (`ServerArgs.resolved_dict`).
+DETERMINISTIC_KEY = "enable_deterministic_inference"
 UPDATE_PAUSE_MODES = ("abort", "retract")        # what a weight update may pause with
 
 
@@ -135,6 +139,14 @@ class ClientConfig:
     pause_mode: SGLang's pause mode for weight updates ("abort" or "retract"). Not
       "in_place": SGLang then updates the weights but refuses the cache flush while the
       paused requests hold it, answers 400 and keeps reporting the old version.
+    require_deterministic: reproducible rollouts (the HTTP counterpart of the JaxEngine's
+      `batch_invariant`): every server must run SGLang's deterministic inference
+      (launched with `--enable-deterministic-inference`: batch-invariant kernels, so a
+      request's tokens and log-probs do not depend on its batch; each request carries
+      its `sampling_seed` as always). A server whose /server_info does not report
+      `enable_deterministic_inference: true` is refused at connection
+      (`ServerMismatchError`), and a server that comes back without it stays out of
+      rotation. A server can only be launched in that mode, not switched by a client.
   """
   connect_timeout_s: float = 10.0
   request_timeout_s: float | None = None
@@ -149,6 +161,7 @@ class ClientConfig:
   flush_retries: int = 30
   no_server_wait_s: float = 60.0
   pause_mode: str = "retract"
+  require_deterministic: bool = False
 
   def __post_init__(self):
     if self.pause_mode not in UPDATE_PAUSE_MODES:
@@ -761,6 +774,13 @@ class SGLangEngine:
     if total is not None and not _is_int(total):
       raise MalformedReplyError(f"{self.url}/server_info: max_total_num_tokens must be an "
                                 f"integer, got {total!r:.50}")
+    if self.config.require_deterministic and info.get(DETERMINISTIC_KEY) is not True:
+      raise ServerMismatchError(
+          f"{self.url}: rollout.client.require_deterministic asks for reproducible rollouts, "
+          f"but the server's /server_info reports {DETERMINISTIC_KEY}="
+          f"{info.get(DETERMINISTIC_KEY, 'absent')!r}: its tokens and log-probs would depend "
+          f"on what shares its batches; relaunch it with --enable-deterministic-inference "
+          f"(SGLang >= 0.5.3; our rollout server takes the same flag)")
     await self._check_model()
     self.max_len = ctx
     self.capacity = total if total is not None else ctx

@@ -44,7 +44,8 @@ SGLANG_VERSION = "0.5.23"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
            "sglang/srt/entrypoints/http_server.py", "sglang/srt/entrypoints/v1_loads.py",
-           "sglang/srt/managers/load_snapshot.py")
+           "sglang/srt/managers/load_snapshot.py", "sglang/srt/arg_groups/fields/exec_.py",
+           "sglang/srt/server_args.py", "sglang/srt/utils/common.py")
 
 
 # ---- SGLang's schema ------------------------------------------------------------------
@@ -115,6 +116,20 @@ class SGLangSchema:
     self.load_snapshot_keys = set(_class_fields(read("sglang/srt/managers/load_snapshot.py"),
                                                 "LoadSnapshot"))
     self.sampling_fields = tuple(self.api.SamplingParams.__struct_fields__)
+    # Deterministic inference: a field of the `exec.deterministic` namespace, one of the
+    # namespaces ServerArgs is assembled from (flat fields), and /server_info is built
+    # from the resolved ServerArgs (`build_server_info` -> `resolved_dict`).
+    self.deterministic_fields = set(_class_fields(
+        read("sglang/srt/arg_groups/fields/exec_.py"), "ExecDeterministic"))
+    self.server_args_namespaces = {
+        elt.id for node in ast.walk(read("sglang/srt/server_args.py"))
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets)
+        for elt in node.value.elts if isinstance(elt, ast.Name)}
+    self.server_info_calls = {
+        n.func.attr for f in ast.walk(read("sglang/srt/utils/common.py"))
+        if isinstance(f, ast.FunctionDef) and f.name == "build_server_info"
+        for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
 
   # -- requests --
   def check_generate_request(self, body: dict) -> None:
@@ -220,7 +235,7 @@ class ServerProcess:
 
   def __init__(self, hf_dir: str, log_dir: str, name: str, *, num_slots: int = SERVER_SLOTS,
                max_len: int = SERVER_MAX_LEN, bucket: int = SERVER_BUCKET,
-               one_device: bool = False):
+               one_device: bool = False, extra_args: tuple[str, ...] = ()):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = os.path.join(log_dir, f"server_{name}.log")
@@ -233,7 +248,7 @@ class ServerProcess:
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
          "--port", str(self.port), "--num_slots", str(num_slots),
-         "--max_len", str(max_len), "--min_prefill_bucket", str(bucket)],
+         "--max_len", str(max_len), "--min_prefill_bucket", str(bucket), *extra_args],
         cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
   def wait_ready(self, timeout: float = 240.0) -> None:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -37,7 +38,7 @@ from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
 from rstar_jax.rollout.scheduler import EnginePool
 from rstar_jax.rollout.server import ServedEngine
 
-from tests.rollout.conftest import SERVER_BUCKET, SERVER_MAX_LEN, SERVER_SLOTS
+from tests.rollout.conftest import SERVER_BUCKET, SERVER_MAX_LEN, SERVER_SLOTS, ServerProcess
 
 CLIENT = se.ClientConfig(backoff_s=0.05, backoff_max_s=0.2, retries=2, probe_interval_s=0.2,
                          load_poll_s=0.2)
@@ -150,6 +151,44 @@ def test_trajectories_through_servers_equal_in_process(served, toy_tok, proto, s
     sglang_schema.check_exchange(route, body, status, reply)
   stats = pool.stats()
   assert sum(stats[f"{e.name}/requests"] for e in engines) == real_turns
+
+
+def test_a_deterministic_server_gives_the_bits_of_the_batch_invariant_engine(served,
+                                                                              sglang_schema):
+  """--enable-deterministic-inference (SGLang's flag): /server_info reports it as SGLang
+  does, a client that requires it refuses a server without it, and concurrent requests
+  through the server get the tokens and log-prob bits of the in-process batch-invariant
+  engine running them one at a time."""
+  det = ServerProcess(served["dirs"]["m1"], served["root"], "det",
+                      extra_args=("--enable-deterministic-inference",))
+  strict = dataclasses.replace(CLIENT, require_deterministic=True)
+  try:
+    with pytest.raises(se.ServerMismatchError, match="--enable-deterministic-inference"):
+      se.connect([served["servers"]["a"].url], config=strict)
+    det.wait_ready()
+    [eng] = se.connect([det.url], config=strict,
+                       on_exchange=lambda *x: sglang_schema.check_exchange(*x))
+    rng = np.random.RandomState(5)
+    vocab = served["cfg"].vocab_size
+    reqs = [GenerationRequest(input_ids=rng.randint(0, vocab, int(rng.randint(5, 120))).tolist(),
+                              max_new_tokens=int(rng.randint(5, 40)), temperature=1.0,
+                              seed=i, request_id=f"d{i}") for i in range(6)]
+
+    async def all_at_once():
+      return await asyncio.gather(*(eng.generate(r) for r in reqs))
+    try:
+      remote = asyncio.run(all_at_once())
+    finally:
+      eng.stop()
+  finally:
+    det.kill()
+  local = JaxEngine(served["models"]["m1"], EngineConfig(
+      num_slots=SERVER_SLOTS, max_len=SERVER_MAX_LEN, min_prefill_bucket=SERVER_BUCKET,
+      batch_invariant=True))
+  for r, x in zip(reqs, remote):
+    [y] = local.generate_sync([r])
+    assert x.output_ids == y.output_ids, r.request_id
+    assert (np.float32(x.logprobs).tobytes() == np.float32(y.logprobs).tobytes()), r.request_id
 
 
 def test_unknown_sampling_key_refused_with_sglangs_error(served, sglang_schema):

@@ -476,6 +476,35 @@ def test_real_sglang_server_info_gives_the_length_limit(fakes):
     se.connect([fake.url], config=FAST)
 
 
+def test_reproducible_rollouts_require_sglangs_deterministic_inference(fakes, sglang_schema):
+  """rollout.client.require_deterministic: a server must report SGLang's
+  `enable_deterministic_inference` server arg as true in /server_info, or it is refused.
+  The key is SGLang's own (read from its source): a flat ServerArgs field, and
+  /server_info is the resolved ServerArgs."""
+  assert se.DETERMINISTIC_KEY in sglang_schema.deterministic_fields
+  assert "ExecDeterministic" in sglang_schema.server_args_namespaces
+  assert "resolved_dict" in sglang_schema.server_info_calls
+  strict = dataclasses.replace(FAST, require_deterministic=True)
+  fake = fakes()
+  base = {"context_length": None, "max_total_num_tokens": 256, "max_req_input_len": 59,
+          "version": "0.5.23", "frontend": "python"}
+  for info in (base, dict(base, enable_deterministic_inference=False)):
+    fake.server_info = info
+    with pytest.raises(se.ServerMismatchError, match="--enable-deterministic-inference"):
+      se.connect([fake.url], config=strict)
+    [eng] = se.connect([fake.url], config=FAST)     # not asked for: any server will do
+    eng.stop()
+  fake.server_info = dict(base, enable_deterministic_inference=True)
+  [eng] = se.connect([fake.url], config=strict)
+  try:
+    out = run(eng.generate(REQUESTS[0]))
+    assert out.output_ids == [5, 6, 2]
+    body = next(b for r, b in fake.calls if r == "/generate")
+    assert body["sampling_params"]["sampling_seed"] == REQUESTS[0].seed
+  finally:
+    eng.stop()
+
+
 def test_a_silent_server_hands_its_requests_to_another(fakes):
   """A server that stops answering (a hung host) leaves rotation when /v1/loads times
   out; its requests in flight, which got no reply, go to another server. Before, they
