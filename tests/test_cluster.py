@@ -138,3 +138,108 @@ def test_a_server_is_restarted_when_it_hangs_and_restarts_far_apart_do_not_add_u
     assert "has not answered /health" in log and "given up" in log, log
   finally:
     srv.stop()
+
+
+# A stand-in for one process of a 2-process trainer job: 12 steps of a deterministic
+# state (a hash chain of the step and the process), checkpointed atomically after every
+# step (write, then rename, as orbax does) and resumed from it, with the real trainer's
+# "resumed ... at step N" line. Its final state depends only on the steps it ran.
+_RESUMING_TRAINER = '''
+import hashlib, json, os, sys, time
+work = os.environ["FAKE_TRAINER_WORK"]
+arg = lambda k, d: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), d)
+idx = int(arg("--config.distributed.process_id", "0"))
+if os.path.exists(os.path.join(work, "always_fail")):
+  sys.exit(int(open(os.path.join(work, "always_fail")).read()))
+ckpt = os.path.join(work, "ckpt%d.json" % idx)
+step, acc = 0, "start%d" % idx
+if os.path.exists(ckpt):
+  step, acc = json.load(open(ckpt))
+  print("resumed FAKE from %s at step %d" % (ckpt, step), flush=True)
+open(os.path.join(work, "pid%d" % idx), "w").write(str(os.getpid()))
+while step < 12:
+  time.sleep(0.15)
+  acc = hashlib.sha256(("%s/%d" % (acc, step)).encode()).hexdigest()
+  step += 1
+  json.dump([step, acc], open(ckpt + ".tmp", "w"))
+  os.replace(ckpt + ".tmp", ckpt)
+open(os.path.join(work, "final%d" % idx), "w").write(acc)
+'''
+
+
+def _uninterrupted(idx, steps=12):
+  import hashlib
+  acc = "start%d" % idx
+  for step in range(steps):
+    acc = hashlib.sha256(("%s/%d" % (acc, step)).encode()).hexdigest()
+  return acc
+
+
+def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp_path):
+  """On a real local Ray: SIGKILL one process of a 2-process trainer job mid-run; the
+  supervisor kills the other, waits the back-off, restarts both, and they resume from
+  their checkpoints and finish with the uninterrupted run's result. The restart is logged
+  with its cause and resumed step. A job that fails at every start is given up after
+  max_restarts; a config error (exit 2) is not restarted at all."""
+  ray = pytest.importorskip("ray")
+  import signal
+  import time
+  (tmp_path / "fake_trainer.py").write_text(_RESUMING_TRAINER)
+  work = tmp_path / "work"
+  work.mkdir()
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
+      "env_vars": {"PYTHONPATH": os.pathsep.join([cluster.REPO, str(tmp_path)]),
+                   "FAKE_TRAINER_WORK": str(work)}})
+  cfg = dict(sandbox_servers=0, rollout_servers=0, trainer_processes=2, trainer_cpus=0.5,
+             trainer_module="fake_trainer", trainer_config="none.py", max_restarts=2,
+             restart_backoff_s=0.2, log_dir=str(tmp_path / "logs"))
+  try:
+    fleet = cluster.Cluster(cluster.ClusterConfig(**cfg))
+    try:
+      result = {}
+
+      def kill_second_mid_run():
+        _wait(lambda: (work / "ckpt1.json").exists()
+              and __import__("json").loads((work / "ckpt1.json").read_text())[0] >= 3,
+              "process 1's third step")
+        result["pid0"] = int((work / "pid0").read_text())
+        os.kill(int((work / "pid1").read_text()), signal.SIGKILL)
+
+      import threading
+      killer = threading.Thread(target=kill_second_mid_run)
+      killer.start()
+      codes = fleet.run_trainers(timeout=120)
+      killer.join()
+    finally:
+      fleet.shutdown()
+    assert codes == [0, 0], codes
+    assert len(fleet.restarts) == 1, fleet.restarts
+    r = fleet.restarts[0]
+    assert r["cause"] == "trainer 1 killed by SIGKILL (kill -9, or the kernel's OOM killer)", r
+    assert 3 <= r["resumed_step"] < 12, r
+    assert int((work / "pid0").read_text()) != result["pid0"]   # process 0 was restarted too
+    for idx in (0, 1):
+      assert (work / f"final{idx}").read_text() == _uninterrupted(idx)
+    log = (tmp_path / "logs" / "cluster.log").read_text()
+    assert "restart 1: trainer 1 killed by SIGKILL" in log, log
+    assert f"restart 1 resumed from step {r['resumed_step']}" in log, log
+
+    # Fails at every start: given up after max_restarts, back-off doubling.
+    (work / "always_fail").write_text("1")
+    fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
+    try:
+      codes = fleet.run_trainers(timeout=120)
+    finally:
+      fleet.shutdown()
+    assert codes == [1] and [r["backoff_s"] for r in fleet.restarts] == [0.2, 0.4]
+    assert "given up after 2 restart(s)" in (tmp_path / "logs" / "cluster.log").read_text()
+
+    (work / "always_fail").write_text("2")
+    fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
+    try:
+      codes = fleet.run_trainers(timeout=120)
+    finally:
+      fleet.shutdown()
+    assert codes == [2] and fleet.restarts == []
+  finally:
+    ray.shutdown()
