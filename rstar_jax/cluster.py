@@ -380,6 +380,7 @@ class Cluster:
     self.servers: dict[str, list] = {"sandbox": [], "rollout": []}
     self.trainers = []
     self._trainer_opts: list[dict] = []
+    self._server_opts: dict[str, list[dict]] = {"sandbox": [], "rollout": []}
     self.restarts: list[dict[str, Any]] = []    # the trainer job's, in order
     try:
       self._launch(roles)
@@ -406,6 +407,8 @@ class Cluster:
         self._trainer_opts.append(opts)
         self.trainers.append(trainer_actor.options(**opts).remote(len(self.trainers), cfg))
       else:
+        self._server_actor = server_actor
+        self._server_opts[role].append(opts)
         self.servers[role].append(server_actor.options(**opts).remote(role, counts[role], cfg,
                                                                       self.env))
         counts[role] += 1
@@ -454,6 +457,30 @@ class Cluster:
     import ray
     return ray.get([a.wait.remote(timeout) for a in self.trainers])
 
+  def replace_lost_servers(self) -> list[str]:
+    """Re-creates every server actor that is gone (its node died: a server process that
+    merely exits is restarted by its own actor) on the placement group's bundle, which
+    Ray re-places on the remaining nodes, and records its new URL. Returns what changed."""
+    import ray
+    changed = []
+    for role, actors in self.servers.items():
+      for i, actor in enumerate(actors):
+        try:
+          ray.get(actor.info.remote(), timeout=60)
+          continue
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+          pass
+        old = self.info[role][i]["url"]
+        ray.kill(actor)
+        actors[i] = self._server_actor.options(**self._server_opts[role][i]).remote(
+            role, i, self.cfg, self.env)
+        self.info[role][i] = ray.get(actors[i].info.remote(),
+                                     timeout=self.cfg.startup_timeout_s + 600)
+        changed.append(f"{role} server {i} lost (its actor or node is gone): was {old}, now "
+                       f"{self.info[role][i]['url']}")
+        self._note(changed[-1])
+    return changed
+
   def _poll_trainers(self) -> list[int | str | None]:
     """Each trainer's exit status, None while it runs, "lost" where its actor is gone
     (its node died)."""
@@ -474,7 +501,8 @@ class Cluster:
       f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
   def run_trainers(self, timeout: float | None = None, poll_s: float = 0.5,
-                   env: dict[str, str] | None = None) -> list[int | str | None]:
+                   env: dict[str, str] | None = None,
+                   server_check_s: float = 10.0) -> list[int | str | None]:
     """Starts the trainer job and supervises it until every process exits 0, or the
     restart budget is spent, or `timeout` seconds pass (then the codes so far, None for
     those still running). A process that dies (any other exit, a signal, an OOM kill, its
@@ -483,26 +511,35 @@ class Cluster:
     process starts again and resumes from the latest complete checkpoint. Each restart
     is logged (`<log_dir>/cluster.log`) with its cause, and then the step it resumed
     from, and recorded in `self.restarts`. A usage/config error (exit 2) is not
-    restarted: it would fail the same way."""
+    restarted: it would fail the same way.
+
+    Every `server_check_s` seconds the servers' actors are checked: one gone with its
+    node is re-created on the remaining nodes (`replace_lost_servers`) and, since its URL
+    changed, the trainer job is restarted as above with the new URLs."""
     import ray
     cfg = self.cfg
     deadline = None if not timeout else time.monotonic() + timeout
     recent: collections.deque[float] = collections.deque()
     self.start_trainers(env)
+    next_server_check = time.monotonic() + server_check_s
     while True:
       codes = self._poll_trainers()
+      moved = []
+      if server_check_s and time.monotonic() >= next_server_check:
+        moved = self.replace_lost_servers()
+        next_server_check = time.monotonic() + server_check_s
       if self.restarts and self.restarts[-1]["resumed_step"] is None:
         self._note_resumed()
       if all(c == 0 for c in codes):
         return codes
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-      if not failed:
+      if not failed and not moved:
         if deadline is not None and time.monotonic() > deadline:
           return codes
         time.sleep(poll_s)
         continue
-      cause = "; ".join(f"trainer {i} " + ("lost (its actor or node is gone)" if c == "lost"
-                                          else exit_cause(c)) for i, c in failed)
+      cause = "; ".join([f"trainer {i} " + ("lost (its actor or node is gone)" if c == "lost"
+                                           else exit_cause(c)) for i, c in failed] + moved)
       for i, a in enumerate(self.trainers):
         if codes[i] != "lost":
           try:

@@ -243,3 +243,104 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     assert codes == [2] and fleet.restarts == []
   finally:
     ray.shutdown()
+
+
+_URL_TRAINER = '''
+import os, sys, time
+work = os.environ["FAKE_TRAINER_WORK"]
+urls = next(a for a in sys.argv if a.startswith("--config.tools.urls="))
+open(os.path.join(work, "starts"), "a").write(urls + "\\n")
+while not os.path.exists(os.path.join(work, "done")):
+  time.sleep(0.1)
+'''
+
+
+@pytest.mark.slow
+def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls(tmp_path):
+  """A real two-node Ray cluster on this machine (`ray start --head` and a second
+  `ray start --address`, in its own process group): the second node has room for one
+  sandbox server only. Killing that node's processes (its process group, by id) loses
+  the server's actor; the supervisor re-creates it on the head node under a new URL
+  and restarts the trainer job with the new URLs."""
+  ray = pytest.importorskip("ray")
+  import shutil
+  import signal
+  import subprocess
+  import sys
+  import tempfile
+  import time
+  (tmp_path / "fake_trainer.py").write_text(_URL_TRAINER)
+  work = tmp_path / "work"
+  work.mkdir()
+  temp = tempfile.mkdtemp(prefix="r", dir="/tmp")    # short: Ray's socket paths
+  port = cluster.free_port()
+  ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([cluster.REPO, str(tmp_path)]),
+             FAKE_TRAINER_WORK=str(work), RAY_AUTH_MODE="disabled",  # as ray.init's own
+             RAY_health_check_period_ms="500",
+             RAY_health_check_failure_threshold="4", RAY_health_check_timeout_ms="500")
+  env.pop("RAY_ADDRESS", None)
+  head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=3",
+                         "--include-dashboard=false", f"--temp-dir={temp}",
+                         "--disable-usage-stats"], env=env, capture_output=True, text=True)
+  assert head.returncode == 0, head.stderr
+  second = None
+  try:
+    address = f"127.0.0.1:{port}"
+    second = subprocess.Popen([ray_bin, "start", f"--address={address}", "--num-cpus=1",
+                               "--block", "--disable-usage-stats"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work)}})
+    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node", 120)
+    cfg = cluster.ClusterConfig(
+        sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
+        trainer_cpus=1.0, trainer_module="fake_trainer", trainer_config="none.py",
+        restart_backoff_s=0.1, log_dir=str(tmp_path / "logs"), startup_timeout_s=120)
+    fleet = cluster.Cluster(cfg)
+    try:
+      before = list(fleet.sandbox_urls)
+      import threading
+      result = {}
+      runner = threading.Thread(target=lambda: result.setdefault(
+          "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+      runner.start()
+      _wait(lambda: (work / "starts").exists(), "the trainer's start", 120)
+      os.killpg(second.pid, signal.SIGKILL)           # the second node and all it ran
+      _wait(lambda: len((work / "starts").read_text().splitlines()) == 2,
+            "the trainer's restart with the moved server", 180)
+      (work / "done").write_text("")
+      runner.join(60)
+      after = list(fleet.sandbox_urls)
+      assert result["codes"] == [0]
+      moved = [i for i in range(2) if before[i] != after[i]]
+      assert len(moved) == 1, (before, after)     # the second node held one server
+      assert all(cluster._healthy(u) for u in after)
+      starts = (work / "starts").read_text().splitlines()
+      assert all(u in starts[1] for u in after) and before[moved[0]] not in starts[1]
+      assert len(fleet.restarts) == 1 and "sandbox server" in fleet.restarts[0]["cause"]
+    finally:
+      fleet.shutdown()
+  finally:
+    ray.shutdown()
+    if second is not None and second.poll() is None:
+      os.killpg(second.pid, signal.SIGKILL)
+    _stop_head(temp)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stop_head(temp):
+  """Kills the head node's processes by their ids (those whose command line names this
+  cluster's temp dir), never by a broad name: other Ray instances may run here."""
+  import signal
+  import subprocess
+  out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                       text=True, env=dict(os.environ, COLUMNS="100000")).stdout
+  for line in out.splitlines():
+    pid, _, args = line.strip().partition(" ")
+    if temp in args and int(pid) != os.getpid():
+      try:
+        os.kill(int(pid), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
