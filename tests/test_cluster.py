@@ -261,14 +261,46 @@ def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls
   `ray start --address`, in its own process group): the second node has room for one
   sandbox server only. Killing that node's processes (its process group, by id) loses
   the server's actor; the supervisor re-creates it on the head node under a new URL
-  and restarts the trainer job with the new URLs."""
-  ray = pytest.importorskip("ray")
+  and restarts the trainer job with the new URLs. The driver runs in a fresh process, so
+  that no Ray state of an earlier test in this process carries over."""
+  pytest.importorskip("ray")
+  import multiprocessing
+  ctx = multiprocessing.get_context("spawn")
+  queue = ctx.Queue()
+  proc = ctx.Process(target=_lost_node_run, args=(str(tmp_path), queue))
+  proc.start()
+  try:
+    out = queue.get(timeout=400)
+  finally:
+    proc.join(60)
+    if proc.is_alive():
+      proc.kill()
+  assert "error" not in out, out.get("error")
+  before, after = out["before"], out["after"]
+  assert out["codes"] == [0]
+  moved = [i for i in range(2) if before[i] != after[i]]
+  assert len(moved) == 1, (before, after)     # the second node held one server
+  assert out["healthy"] == [True, True]
+  starts = out["starts"]
+  assert len(starts) == 2 and all(u in starts[1] for u in after)
+  assert before[moved[0]] not in starts[1]
+  assert len(out["restarts"]) == 1 and "sandbox server" in out["restarts"][0]["cause"]
+
+
+def _lost_node_run(tmp: str, queue) -> None:
+  import pathlib
   import shutil
   import signal
   import subprocess
   import sys
   import tempfile
-  import time
+  import threading
+  import traceback
+  # A local ray.init earlier in the parent turned token authentication on in its
+  # environment (inherited here); this cluster runs without, as a local ray.init's own.
+  os.environ["RAY_AUTH_MODE"] = "disabled"
+  import ray
+  tmp_path = pathlib.Path(tmp)
   (tmp_path / "fake_trainer.py").write_text(_URL_TRAINER)
   work = tmp_path / "work"
   work.mkdir()
@@ -280,12 +312,13 @@ def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls
              RAY_health_check_period_ms="500",
              RAY_health_check_failure_threshold="4", RAY_health_check_timeout_ms="500")
   env.pop("RAY_ADDRESS", None)
-  head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=3",
-                         "--include-dashboard=false", f"--temp-dir={temp}",
-                         "--disable-usage-stats"], env=env, capture_output=True, text=True)
-  assert head.returncode == 0, head.stderr
   second = None
+  out = {}
   try:
+    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=3",
+                           "--include-dashboard=false", f"--temp-dir={temp}",
+                           "--disable-usage-stats"], env=env, capture_output=True, text=True)
+    assert head.returncode == 0, head.stderr
     address = f"127.0.0.1:{port}"
     second = subprocess.Popen([ray_bin, "start", f"--address={address}", "--num-cpus=1",
                                "--block", "--disable-usage-stats"], env=env,
@@ -300,8 +333,7 @@ def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls
         restart_backoff_s=0.1, log_dir=str(tmp_path / "logs"), startup_timeout_s=120)
     fleet = cluster.Cluster(cfg)
     try:
-      before = list(fleet.sandbox_urls)
-      import threading
+      out["before"] = list(fleet.sandbox_urls)
       result = {}
       runner = threading.Thread(target=lambda: result.setdefault(
           "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
@@ -312,22 +344,24 @@ def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls
             "the trainer's restart with the moved server", 180)
       (work / "done").write_text("")
       runner.join(60)
-      after = list(fleet.sandbox_urls)
-      assert result["codes"] == [0]
-      moved = [i for i in range(2) if before[i] != after[i]]
-      assert len(moved) == 1, (before, after)     # the second node held one server
-      assert all(cluster._healthy(u) for u in after)
-      starts = (work / "starts").read_text().splitlines()
-      assert all(u in starts[1] for u in after) and before[moved[0]] not in starts[1]
-      assert len(fleet.restarts) == 1 and "sandbox server" in fleet.restarts[0]["cause"]
+      out["after"] = list(fleet.sandbox_urls)
+      out["codes"] = result.get("codes")
+      out["healthy"] = [cluster._healthy(u) for u in out["after"]]
+      out["starts"] = (work / "starts").read_text().splitlines()
+      out["restarts"] = fleet.restarts
     finally:
       fleet.shutdown()
+  except BaseException:  # noqa: BLE001 - reported to the test
+    out["error"] = traceback.format_exc()
   finally:
-    ray.shutdown()
-    if second is not None and second.poll() is None:
-      os.killpg(second.pid, signal.SIGKILL)
-    _stop_head(temp)
-    shutil.rmtree(temp, ignore_errors=True)
+    try:
+      ray.shutdown()
+    finally:
+      if second is not None and second.poll() is None:
+        os.killpg(second.pid, signal.SIGKILL)
+      _stop_head(temp)
+      shutil.rmtree(temp, ignore_errors=True)
+      queue.put(out)
 
 
 def _stop_head(temp):
