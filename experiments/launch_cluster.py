@@ -3,7 +3,9 @@ r"""python -m experiments.launch_cluster --config experiments/configs/cluster_to
 Starts the fleet of `config.cluster` (rstar_jax.cluster.ClusterConfig) on Ray - sandbox
 servers, rollout servers (ours or SGLang), the trainer processes - hands the servers'
 URLs and the multi-process settings to the trainer, restarts a server that dies, and
-waits for the trainer. `--serve_only` starts the servers, prints the trainer overrides
+supervises the trainer job: when one of its processes dies, all are stopped and the job
+restarts from its latest complete checkpoint (`cluster.max_restarts`, with back-off;
+each restart's cause and resumed step in <log_dir>/cluster.log). `--serve_only` starts the servers, prints the trainer overrides
 and holds them until Ctrl-C (to run the trainer by hand or under SLURM).
 
 Needs Ray: `pip install -r requirements-cluster.txt`.
@@ -44,8 +46,11 @@ def main(argv):
       print("trainer overrides:\n  " + " \\\n  ".join(fleet.trainer_overrides()))
       while True:
         time.sleep(3600)
-    fleet.start_trainers()
-    codes = fleet.wait_trainers(_TIMEOUT.value or None)
+    # Supervised: a trainer process that dies restarts the whole job from its latest
+    # complete checkpoint (cluster.max_restarts within restart_window_s, with back-off).
+    codes = fleet.run_trainers(_TIMEOUT.value or None)
+    for i, r in enumerate(fleet.restarts, 1):
+      print(f"restart {i}: {r['cause']}; resumed from step {r['resumed_step']}")
     for i, (code, tail) in enumerate(zip(codes, fleet.trainer_logs())):
       print(f"--- trainer {i}: exit {code}\n{tail[-1500:]}")
     print("servers:", json.dumps(fleet.server_info(), indent=2))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,9 +48,14 @@ class ClusterConfig:
     trainer_module / trainer_config / trainer_args: what the trainer processes run:
       `python -m <module> --config <config> <args>` plus the URLs and the distributed
       settings made here.
-    max_restarts / restart_window_s: a server process that exits more than
-      `max_restarts` times within `restart_window_s` seconds is given up on (a server
-      that keeps crashing at start); restarts further apart than that never add up.
+    max_restarts / restart_window_s: a server process, or the trainer job, that fails
+      more than `max_restarts` times within `restart_window_s` seconds is given up on (a
+      server that keeps crashing at start, a trainer that dies at every step); restarts
+      further apart than that never add up, so a week-long run rides out any number of
+      faults spread over it.
+    restart_backoff_s / restart_backoff_max_s: the wait before restarting the trainer
+      job, doubled for each restart already within the window, at most the max (a
+      crashing job does not hammer shared storage or the coordinator).
     hang_timeout_s: a server whose /health has not answered for this long is killed and
       restarted like one that exited (0: never). Keep it above a weight update's
       length: SGLang's /health generates a token, which waits while it loads a checkpoint
@@ -78,6 +84,8 @@ class ClusterConfig:
   trainer_args: tuple[str, ...] = ()
   max_restarts: int = 3
   restart_window_s: float = 3600.0
+  restart_backoff_s: float = 10.0
+  restart_backoff_max_s: float = 600.0
   hang_timeout_s: float = 1800.0
   log_dir: str = "/tmp/rstar_cluster"
   startup_timeout_s: float = 300.0
@@ -99,7 +107,8 @@ class ClusterConfig:
       raise ValueError(f"ClusterConfig.trainer_processes must be >= 0 (0: servers only), got "
                        f"{self.trainer_processes!r}")
     for name in ("sandbox_cpus", "rollout_cpus", "rollout_gpus", "trainer_cpus",
-                 "trainer_gpus", "restart_window_s", "hang_timeout_s"):
+                 "trainer_gpus", "restart_window_s", "hang_timeout_s", "restart_backoff_s",
+                 "restart_backoff_max_s"):
       if getattr(self, name) < 0:
         raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -269,6 +278,7 @@ class TrainerProcess:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     os.makedirs(self.cfg.log_dir, exist_ok=True)
     with open(self.log_path, "ab") as log:
+      self._log_start = log.tell()
       self.proc = subprocess.Popen(
           [sys.executable, "-m", self.cfg.trainer_module, "--config", self.cfg.trainer_config,
            *args, *self.cfg.trainer_args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
@@ -279,6 +289,31 @@ class TrainerProcess:
       return self.proc.wait(timeout)
     except subprocess.TimeoutExpired:
       return None
+
+  def poll(self) -> int | None:
+    return None if self.proc is None else self.proc.poll()
+
+  def pid(self) -> int | None:
+    return None if self.proc is None else self.proc.pid
+
+  def resumed_step(self) -> int | None:
+    """The step this start's trainer said it resumed from (its "resumed ... at step N"
+    log line), None until it says so."""
+    try:
+      with open(self.log_path, "rb") as f:
+        f.seek(self._log_start)
+        text = f.read().decode(errors="replace")
+    except OSError:
+      return None
+    found = _RESUMED.findall(text)
+    return int(found[-1]) if found else None
+
+  def kill(self) -> None:
+    """SIGKILL, no save: after a peer of the job died, no collective (a save included)
+    can finish, and the job restarts from the latest complete checkpoint anyway."""
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
 
   def log_tail(self, n: int = 3000) -> str:
     with open(self.log_path, "rb") as f:
@@ -291,6 +326,28 @@ class TrainerProcess:
         self.proc.wait(60)
       except subprocess.TimeoutExpired:
         self.proc.kill()
+
+
+# The trainers' resume lines: rl/trainer.py "resumed RL from <dir> at step N", sft/trainer.py
+# "resumed SFT at step N".
+_RESUMED = re.compile(r"resumed \S+ (?:from \S+ )?at step (\d+)")
+USAGE_EXIT = 2     # config_utils.run's exit for a config or usage error: a restart repeats it
+
+
+def exit_cause(code: int) -> str:
+  """An exit status in words (a negative one is the signal that ended the process)."""
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = f"signal {-code}"
+    return f"killed by {name}" + (" (kill -9, or the kernel's OOM killer)" if code == -9 else "")
+  if code > 128:    # a shell or config_utils.run reporting a signal: 128 + signum
+    try:
+      return f"exited {code} ({signal.Signals(code - 128).name})"
+    except ValueError:
+      pass
+  return f"exited {code}"
 
 
 def _tuple_text(items: Sequence[str]) -> str:
@@ -323,6 +380,9 @@ class Cluster:
     self.pg = placement_group(bundles, strategy=cfg.placement)
     self.servers: dict[str, list] = {"sandbox": [], "rollout": []}
     self.trainers = []
+    self._trainer_opts: list[dict] = []
+    self._server_opts: dict[str, list[dict]] = {"sandbox": [], "rollout": []}
+    self.restarts: list[dict[str, Any]] = []    # the trainer job's, in order
     try:
       self._launch(roles)
     except BaseException:
@@ -344,8 +404,12 @@ class Cluster:
       opts = dict(num_cpus=0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
           placement_group=self.pg, placement_group_bundle_index=b))
       if role == "trainer":
+        self._trainer_actor = trainer_actor
+        self._trainer_opts.append(opts)
         self.trainers.append(trainer_actor.options(**opts).remote(len(self.trainers), cfg))
       else:
+        self._server_actor = server_actor
+        self._server_opts[role].append(opts)
         self.servers[role].append(server_actor.options(**opts).remote(role, counts[role], cfg,
                                                                       self.env))
         counts[role] += 1
@@ -393,6 +457,128 @@ class Cluster:
   def wait_trainers(self, timeout: float | None = None) -> list[int | None]:
     import ray
     return ray.get([a.wait.remote(timeout) for a in self.trainers])
+
+  def replace_lost_servers(self) -> list[str]:
+    """Re-creates every server actor that is gone (its node died: a server process that
+    merely exits is restarted by its own actor) on the placement group's bundle, which
+    Ray re-places on the remaining nodes, and records its new URL. Returns what changed."""
+    import ray
+    changed = []
+    for role, actors in self.servers.items():
+      for i, actor in enumerate(actors):
+        try:
+          ray.get(actor.info.remote(), timeout=60)
+          continue
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+          pass
+        old = self.info[role][i]["url"]
+        ray.kill(actor)
+        actors[i] = self._server_actor.options(**self._server_opts[role][i]).remote(
+            role, i, self.cfg, self.env)
+        self.info[role][i] = ray.get(actors[i].info.remote(),
+                                     timeout=self.cfg.startup_timeout_s + 600)
+        changed.append(f"{role} server {i} lost (its actor or node is gone): was {old}, now "
+                       f"{self.info[role][i]['url']}")
+        self._note(changed[-1])
+    return changed
+
+  def _poll_trainers(self) -> list[int | str | None]:
+    """Each trainer's exit status, None while it runs, "lost" where its actor is gone
+    (its node died)."""
+    import ray
+    out = []
+    for a in self.trainers:
+      try:
+        out.append(ray.get(a.poll.remote(), timeout=60))
+      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        out.append("lost")
+    return out
+
+  def _note(self, line: str) -> None:
+    from absl import logging
+    logging.warning("[cluster] %s", line)
+    os.makedirs(self.cfg.log_dir, exist_ok=True)
+    with open(os.path.join(self.cfg.log_dir, "cluster.log"), "a") as f:
+      f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+  def run_trainers(self, timeout: float | None = None, poll_s: float = 0.5,
+                   env: dict[str, str] | None = None,
+                   server_check_s: float = 10.0) -> list[int | str | None]:
+    """Starts the trainer job and supervises it until every process exits 0, or the
+    restart budget is spent, or `timeout` seconds pass (then the codes so far, None for
+    those still running). A process that dies (any other exit, a signal, an OOM kill, its
+    actor or node lost) takes the whole job down: the others are killed (a multi-
+    controller JAX job cannot go on without a peer) and, after the back-off, every
+    process starts again and resumes from the latest complete checkpoint. Each restart
+    is logged (`<log_dir>/cluster.log`) with its cause, and then the step it resumed
+    from, and recorded in `self.restarts`. A usage/config error (exit 2) is not
+    restarted: it would fail the same way.
+
+    Every `server_check_s` seconds the servers' actors are checked: one gone with its
+    node is re-created on the remaining nodes (`replace_lost_servers`) and, since its URL
+    changed, the trainer job is restarted as above with the new URLs."""
+    import ray
+    cfg = self.cfg
+    deadline = None if not timeout else time.monotonic() + timeout
+    recent: collections.deque[float] = collections.deque()
+    self.start_trainers(env)
+    next_server_check = time.monotonic() + server_check_s
+    while True:
+      codes = self._poll_trainers()
+      moved = []
+      if server_check_s and time.monotonic() >= next_server_check:
+        moved = self.replace_lost_servers()
+        next_server_check = time.monotonic() + server_check_s
+      if self.restarts and self.restarts[-1]["resumed_step"] is None:
+        self._note_resumed()
+      if all(c == 0 for c in codes):
+        return codes
+      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      if not failed and not moved:
+        if deadline is not None and time.monotonic() > deadline:
+          return codes
+        time.sleep(poll_s)
+        continue
+      cause = "; ".join([f"trainer {i} " + ("lost (its actor or node is gone)" if c == "lost"
+                                           else exit_cause(c)) for i, c in failed] + moved)
+      for i, a in enumerate(self.trainers):
+        if codes[i] != "lost":
+          try:
+            ray.get(a.kill.remote(), timeout=60)
+          except Exception:  # noqa: BLE001 - gone meanwhile: replaced below
+            codes[i] = "lost"
+      if any(c == USAGE_EXIT for _, c in failed):
+        self._note(f"trainer job failed: {cause}: a config or usage error, not restarted")
+        return codes
+      now = time.monotonic()
+      while recent and now - recent[0] > cfg.restart_window_s:
+        recent.popleft()
+      if len(recent) >= cfg.max_restarts:
+        self._note(f"trainer job failed: {cause}; given up after {len(recent)} restart(s) "
+                   f"within {cfg.restart_window_s:.0f} s")
+        return codes
+      backoff = min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2 ** len(recent))
+      recent.append(now)
+      self.restarts.append({"cause": cause, "at": time.time(), "backoff_s": backoff,
+                            "resumed_step": None})
+      self._note(f"trainer job restart {len(self.restarts)}: {cause}; every process "
+                 f"stopped; restarting in {backoff:.1f} s from the latest complete checkpoint")
+      for i, c in enumerate(codes):
+        if c == "lost":     # a new actor on the placement group's (rescheduled) bundle
+          ray.kill(self.trainers[i])
+          self.trainers[i] = self._trainer_actor.options(**self._trainer_opts[i]).remote(i, cfg)
+      time.sleep(backoff)
+      self.start_trainers(env)
+
+  def _note_resumed(self) -> None:
+    import ray
+    try:
+      step = ray.get(self.trainers[0].resumed_step.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the trainer's death is seen by the poll
+      return
+    if step is not None:
+      self.restarts[-1]["resumed_step"] = step
+      self._note(f"trainer job restart {len(self.restarts)} resumed from step {step}")
 
   def trainer_logs(self) -> list[str]:
     import ray

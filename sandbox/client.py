@@ -8,8 +8,9 @@
 * At most `max_concurrency` calls are in flight from this client at once.
 * Exactly once: every call carries an id (the client makes one up when the call
   has none). A batch is retried elsewhere, with exponential backoff and jitter,
-  only when the server could not be reached or answered 5xx (it answers 5xx only
-  when it ran nothing). When a request was sent and its answer lost (connection
+  only when the server could not be reached or answered 503 (it answers 503 only
+  when it ran nothing); another 5xx (a crashed handler, a proxy's 502/504) is treated
+  as a lost answer. When a request was sent and its answer lost (connection
   reset mid-request), the same payload goes again to the same server only, which
   answers the ids it has seen from memory; if that server is gone (or restarted),
   the calls come back as internal_error ("may have run"), never run twice. A call
@@ -335,8 +336,12 @@ class SandboxClient:
   async def _post(self, server: _Server, payload: dict) -> Any:
     try:
       async with self._session().post(f"{server.url}/execute", json=payload) as resp:
-        if resp.status >= 500:
+        if resp.status == 503:   # the server's "nothing was run" (worker not ready)
           raise _NotSent(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        if resp.status >= 500:
+          # A 500 (a handler that crashed part-way) or a proxy's 502/504: the calls may
+          # have run, so only the same server is asked again, for the same call ids.
+          raise _Uncertain(f"HTTP {resp.status}: {(await resp.text())[:200]}")
         if resp.status == 409:
           text = (await resp.text())[:500]
           raise _Conflict(f"HTTP 409: {text}", restarted="restarted since" in text)

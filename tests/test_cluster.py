@@ -159,3 +159,243 @@ def test_a_server_is_restarted_when_it_hangs_and_restarts_far_apart_do_not_add_u
     assert "has not answered /health" in log and "given up" in log, log
   finally:
     srv.stop()
+
+
+# A stand-in for one process of a 2-process trainer job: 12 steps of a deterministic
+# state (a hash chain of the step and the process), checkpointed atomically after every
+# step (write, then rename, as orbax does) and resumed from it, with the real trainer's
+# "resumed ... at step N" line. Its final state depends only on the steps it ran.
+_RESUMING_TRAINER = '''
+import hashlib, json, os, sys, time
+work = os.environ["FAKE_TRAINER_WORK"]
+arg = lambda k, d: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), d)
+idx = int(arg("--config.distributed.process_id", "0"))
+if os.path.exists(os.path.join(work, "always_fail")):
+  sys.exit(int(open(os.path.join(work, "always_fail")).read()))
+ckpt = os.path.join(work, "ckpt%d.json" % idx)
+step, acc = 0, "start%d" % idx
+if os.path.exists(ckpt):
+  step, acc = json.load(open(ckpt))
+  print("resumed FAKE from %s at step %d" % (ckpt, step), flush=True)
+open(os.path.join(work, "pid%d" % idx), "w").write(str(os.getpid()))
+while step < 12:
+  time.sleep(0.15)
+  acc = hashlib.sha256(("%s/%d" % (acc, step)).encode()).hexdigest()
+  step += 1
+  json.dump([step, acc], open(ckpt + ".tmp", "w"))
+  os.replace(ckpt + ".tmp", ckpt)
+open(os.path.join(work, "final%d" % idx), "w").write(acc)
+'''
+
+
+def _uninterrupted(idx, steps=12):
+  import hashlib
+  acc = "start%d" % idx
+  for step in range(steps):
+    acc = hashlib.sha256(("%s/%d" % (acc, step)).encode()).hexdigest()
+  return acc
+
+
+def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp_path):
+  """On a real local Ray: SIGKILL one process of a 2-process trainer job mid-run; the
+  supervisor kills the other, waits the back-off, restarts both, and they resume from
+  their checkpoints and finish with the uninterrupted run's result. The restart is logged
+  with its cause and resumed step. A job that fails at every start is given up after
+  max_restarts; a config error (exit 2) is not restarted at all."""
+  ray = pytest.importorskip("ray")
+  import signal
+  import time
+  (tmp_path / "fake_trainer.py").write_text(_RESUMING_TRAINER)
+  work = tmp_path / "work"
+  work.mkdir()
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={
+      "env_vars": {"PYTHONPATH": os.pathsep.join([cluster.REPO, str(tmp_path)]),
+                   "FAKE_TRAINER_WORK": str(work)}})
+  cfg = dict(sandbox_servers=0, rollout_servers=0, trainer_processes=2, trainer_cpus=0.5,
+             trainer_module="fake_trainer", trainer_config="none.py", max_restarts=2,
+             restart_backoff_s=0.2, log_dir=str(tmp_path / "logs"))
+  try:
+    fleet = cluster.Cluster(cluster.ClusterConfig(**cfg))
+    try:
+      result = {}
+
+      def kill_second_mid_run():
+        _wait(lambda: (work / "ckpt1.json").exists()
+              and __import__("json").loads((work / "ckpt1.json").read_text())[0] >= 3,
+              "process 1's third step")
+        result["pid0"] = int((work / "pid0").read_text())
+        os.kill(int((work / "pid1").read_text()), signal.SIGKILL)
+
+      import threading
+      killer = threading.Thread(target=kill_second_mid_run)
+      killer.start()
+      codes = fleet.run_trainers(timeout=120)
+      killer.join()
+    finally:
+      fleet.shutdown()
+    assert codes == [0, 0], codes
+    assert len(fleet.restarts) == 1, fleet.restarts
+    r = fleet.restarts[0]
+    assert r["cause"] == "trainer 1 killed by SIGKILL (kill -9, or the kernel's OOM killer)", r
+    assert 3 <= r["resumed_step"] < 12, r
+    assert int((work / "pid0").read_text()) != result["pid0"]   # process 0 was restarted too
+    for idx in (0, 1):
+      assert (work / f"final{idx}").read_text() == _uninterrupted(idx)
+    log = (tmp_path / "logs" / "cluster.log").read_text()
+    assert "restart 1: trainer 1 killed by SIGKILL" in log, log
+    assert f"restart 1 resumed from step {r['resumed_step']}" in log, log
+
+    # Fails at every start: given up after max_restarts, back-off doubling.
+    (work / "always_fail").write_text("1")
+    fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
+    try:
+      codes = fleet.run_trainers(timeout=120)
+    finally:
+      fleet.shutdown()
+    assert codes == [1] and [r["backoff_s"] for r in fleet.restarts] == [0.2, 0.4]
+    assert "given up after 2 restart(s)" in (tmp_path / "logs" / "cluster.log").read_text()
+
+    (work / "always_fail").write_text("2")
+    fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
+    try:
+      codes = fleet.run_trainers(timeout=120)
+    finally:
+      fleet.shutdown()
+    assert codes == [2] and fleet.restarts == []
+  finally:
+    ray.shutdown()
+
+
+_URL_TRAINER = '''
+import os, sys, time
+work = os.environ["FAKE_TRAINER_WORK"]
+urls = next(a for a in sys.argv if a.startswith("--config.tools.urls="))
+open(os.path.join(work, "starts"), "a").write(urls + "\\n")
+while not os.path.exists(os.path.join(work, "done")):
+  time.sleep(0.1)
+'''
+
+
+@pytest.mark.slow
+def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls(tmp_path):
+  """A real two-node Ray cluster on this machine (`ray start --head` and a second
+  `ray start --address`, in its own process group): the second node has room for one
+  sandbox server only. Killing that node's processes (its process group, by id) loses
+  the server's actor; the supervisor re-creates it on the head node under a new URL
+  and restarts the trainer job with the new URLs. The driver runs in a fresh process, so
+  that no Ray state of an earlier test in this process carries over."""
+  pytest.importorskip("ray")
+  import multiprocessing
+  ctx = multiprocessing.get_context("spawn")
+  queue = ctx.Queue()
+  proc = ctx.Process(target=_lost_node_run, args=(str(tmp_path), queue))
+  proc.start()
+  try:
+    out = queue.get(timeout=400)
+  finally:
+    proc.join(60)
+    if proc.is_alive():
+      proc.kill()
+  assert "error" not in out, out.get("error")
+  before, after = out["before"], out["after"]
+  assert out["codes"] == [0]
+  moved = [i for i in range(2) if before[i] != after[i]]
+  assert len(moved) == 1, (before, after)     # the second node held one server
+  assert out["healthy"] == [True, True]
+  starts = out["starts"]
+  assert len(starts) == 2 and all(u in starts[1] for u in after)
+  assert before[moved[0]] not in starts[1]
+  assert len(out["restarts"]) == 1 and "sandbox server" in out["restarts"][0]["cause"]
+
+
+def _lost_node_run(tmp: str, queue) -> None:
+  import pathlib
+  import shutil
+  import signal
+  import subprocess
+  import sys
+  import tempfile
+  import threading
+  import traceback
+  # A local ray.init earlier in the parent turned token authentication on in its
+  # environment (inherited here); this cluster runs without, as a local ray.init's own.
+  os.environ["RAY_AUTH_MODE"] = "disabled"
+  import ray
+  tmp_path = pathlib.Path(tmp)
+  (tmp_path / "fake_trainer.py").write_text(_URL_TRAINER)
+  work = tmp_path / "work"
+  work.mkdir()
+  temp = tempfile.mkdtemp(prefix="r", dir="/tmp")    # short: Ray's socket paths
+  port = cluster.free_port()
+  ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([cluster.REPO, str(tmp_path)]),
+             FAKE_TRAINER_WORK=str(work), RAY_AUTH_MODE="disabled",  # as ray.init's own
+             RAY_health_check_period_ms="500",
+             RAY_health_check_failure_threshold="4", RAY_health_check_timeout_ms="500")
+  env.pop("RAY_ADDRESS", None)
+  second = None
+  out = {}
+  try:
+    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=3",
+                           "--include-dashboard=false", f"--temp-dir={temp}",
+                           "--disable-usage-stats"], env=env, capture_output=True, text=True)
+    assert head.returncode == 0, head.stderr
+    address = f"127.0.0.1:{port}"
+    second = subprocess.Popen([ray_bin, "start", f"--address={address}", "--num-cpus=1",
+                               "--block", "--disable-usage-stats"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work)}})
+    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node", 120)
+    cfg = cluster.ClusterConfig(
+        sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
+        trainer_cpus=1.0, trainer_module="fake_trainer", trainer_config="none.py",
+        restart_backoff_s=0.1, log_dir=str(tmp_path / "logs"), startup_timeout_s=120)
+    fleet = cluster.Cluster(cfg)
+    try:
+      out["before"] = list(fleet.sandbox_urls)
+      result = {}
+      runner = threading.Thread(target=lambda: result.setdefault(
+          "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+      runner.start()
+      _wait(lambda: (work / "starts").exists(), "the trainer's start", 120)
+      os.killpg(second.pid, signal.SIGKILL)           # the second node and all it ran
+      _wait(lambda: len((work / "starts").read_text().splitlines()) == 2,
+            "the trainer's restart with the moved server", 180)
+      (work / "done").write_text("")
+      runner.join(60)
+      out["after"] = list(fleet.sandbox_urls)
+      out["codes"] = result.get("codes")
+      out["healthy"] = [cluster._healthy(u) for u in out["after"]]
+      out["starts"] = (work / "starts").read_text().splitlines()
+      out["restarts"] = fleet.restarts
+    finally:
+      fleet.shutdown()
+  except BaseException:  # noqa: BLE001 - reported to the test
+    out["error"] = traceback.format_exc()
+  finally:
+    try:
+      ray.shutdown()
+    finally:
+      if second is not None and second.poll() is None:
+        os.killpg(second.pid, signal.SIGKILL)
+      _stop_head(temp)
+      shutil.rmtree(temp, ignore_errors=True)
+      queue.put(out)
+
+
+def _stop_head(temp):
+  """Kills the head node's processes by their ids (those whose command line names this
+  cluster's temp dir), never by a broad name: other Ray instances may run here."""
+  import signal
+  import subprocess
+  out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                       text=True, env=dict(os.environ, COLUMNS="100000")).stdout
+  for line in out.splitlines():
+    pid, _, args = line.strip().partition(" ")
+    if temp in args and int(pid) != os.getpid():
+      try:
+        os.kill(int(pid), signal.SIGKILL)
+      except ProcessLookupError:
+        pass

@@ -20,11 +20,13 @@ _SRUN = r'''#!/bin/bash
 # Signals as srun handles them (SchedMD's srun, _forward_signal): SIGTERM and SIGHUP
 # kill the tasks with SIGKILL, other signals are passed on. The handlers are set before
 # the task starts (a TERM right after launch left a task running, holding our stdout).
-while [[ $# -gt 0 && $1 == --* ]]; do shift; done
+opts=()
+while [[ $# -gt 0 && $1 == --* ]]; do opts+=("$1"); shift; done
 echo $$ >> "$MARK.pids"
 trap 'kill -KILL $(jobs -p) 2>/dev/null; exit 137' TERM HUP
 trap 'kill -USR2 $(jobs -p) 2>/dev/null' USR2
 if [[ " $* " == *" experiments.recipe "* ]]; then
+  echo "trainer step ${opts[*]}" >> "$MARK"
   python "$FAKE_TRAINER" "$@" &
 else
   sleep 300 &
@@ -51,6 +53,8 @@ for s in (signal.SIGTERM, signal.SIGUSR2):
 open(mark, "a").write("trainer started " + " ".join(sys.argv[1:]) + "\\n")
 if os.environ.get("FAKE_TRAINER_FINISHES"):
   sys.exit(0)
+if os.environ.get("FAKE_TRAINER_CRASHES"):   # a task died; srun reports its status
+  sys.exit(int(os.environ["FAKE_TRAINER_CRASHES"]))
 while True:
   time.sleep(0.05)
 '''
@@ -63,7 +67,7 @@ def _tool(path, text):
 
 def _launch(tmp_path, curl_status=0, **env):
   bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
+  bin_dir.mkdir(parents=True)
   _tool(bin_dir / "srun", _SRUN)
   _tool(bin_dir / "scontrol", _SCONTROL)
   # curl's exit status: MARK.curl's content when it exists (a test changes it), else 0.
@@ -75,7 +79,8 @@ def _launch(tmp_path, curl_status=0, **env):
   full = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
               MARK=str(mark), FAKE_TRAINER=str(tmp_path / "trainer.py"),
               SHARED=str(tmp_path), REPO=str(tmp_path), SLURM_JOB_ID="4242",
-              SLURM_JOB_NODELIST="node[0-7]", SERVERS_PER_NODE="2", HEALTH_POLL="0.1", **env)
+              SLURM_JOB_NODELIST="node[0-7]", SERVERS_PER_NODE="2", HEALTH_POLL="0.1")
+  full.update(env)      # SHARED too: requeues of one job share its run directory
   proc = subprocess.Popen(["bash", SCRIPT], env=full, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
   return proc, mark
@@ -169,3 +174,55 @@ def test_the_limit_before_the_trainer_starts_requeues_without_it(tmp_path):
   text = mark.read_text()
   assert proc.returncode == 0 and "scontrol requeue 4242" in text, (text, out)
   assert "trainer started" not in text
+
+
+def _checkpoints(tmp_path):
+  """Two complete orbax steps and a torn one (no commit file) in the run's stage dir."""
+  ckpts = tmp_path / "runs" / "4242" / "stage2" / "checkpoints"
+  for step in ("40", "50"):
+    (ckpts / step).mkdir(parents=True)
+    (ckpts / step / "commit_success.txt").write_text("ok")
+    time.sleep(0.05)     # distinct modification times: 50 is the newest
+  (ckpts / "60").mkdir()
+  return ckpts
+
+
+def test_a_failed_trainer_is_requeued_with_back_off_until_the_budget_is_spent(tmp_path):
+  """A trainer task that dies ends its whole srun step (--kill-on-bad-exit) and the job
+  is requeued, the cause and the checkpoint it resumes from logged; failures are counted
+  in the run's directory across requeues, and the one past MAX_RESTARTS within the
+  window ends the job."""
+  ckpts = _checkpoints(tmp_path)
+  runs = []
+  for attempt in range(3):          # what SLURM does: the same script, the same job id
+    proc, mark = _launch(tmp_path / f"a{attempt}", FAKE_TRAINER_CRASHES="137", MAX_RESTARTS="2",
+                         RESTART_BACKOFF="0", SHARED=str(tmp_path))
+    out, _ = proc.communicate(timeout=30)
+    runs.append((proc.returncode, out, mark.read_text()))
+  for code, out, text in runs:
+    assert code == 137, out
+    assert "--kill-on-bad-exit=1" in text.split("trainer step", 1)[1].splitlines()[0], text
+  for i in (0, 1):
+    code, out, text = runs[i]
+    assert "scontrol requeue 4242" in text, (text, out)
+    assert (f"trainer failed: exit 137; restart {i + 1} of at most 2 within 3600 s: requeued "
+            f"in 0 s, resuming from {ckpts}/50") in out, out
+  code, out, text = runs[2]
+  assert "requeue" not in text and "given up after 2 restart(s) within 3600 s" in out, out
+  assert len((tmp_path / "runs" / "4242" / "logs" / "restarts").read_text().split()) == 2
+
+
+def test_failures_far_apart_do_not_add_up_and_a_config_error_is_not_requeued(tmp_path):
+  logs = tmp_path / "runs" / "4242" / "logs"
+  logs.mkdir(parents=True)
+  (logs / "restarts").write_text(f"{int(time.time()) - 7200}\n")   # two hours ago
+  proc, mark = _launch(tmp_path / "a", FAKE_TRAINER_CRASHES="1", MAX_RESTARTS="1",
+                       RESTART_BACKOFF="0", SHARED=str(tmp_path))
+  out, _ = proc.communicate(timeout=30)
+  assert "scontrol requeue 4242" in mark.read_text(), out
+  assert "restart 1 of at most 1" in out and "resuming from none (starts afresh)" in out, out
+  proc, mark = _launch(tmp_path / "b", FAKE_TRAINER_CRASHES="2", RESTART_BACKOFF="0",
+                       SHARED=str(tmp_path))
+  out, _ = proc.communicate(timeout=30)
+  assert proc.returncode == 2 and "requeue" not in mark.read_text(), out
+  assert "exit 2 (a config or usage error): not requeued" in out, out

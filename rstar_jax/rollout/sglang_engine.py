@@ -25,7 +25,9 @@ used / total KV tokens, polled in the background for the scheduler's `free_kv_to
 
 Failure handling:
   * connection errors (refused, reset, server gone mid-request) and 502/503/504 are
-    retried on the same server with exponential backoff; when they persist the server
+    retried on the same server with exponential backoff (a 503 that is SGLang's own
+    abort reply proves the server released the request; after any other 5xx, or a
+    dropped connection, the attempt is aborted on the server before it is re-sent); when they persist the server
     leaves rotation (`alive=False`, `free_kv_tokens()` very negative) and the request
     goes to another server of the same group (the engines built together). A dead
     server is probed (`/health`, then the model check) in the background and rejoins.
@@ -38,6 +40,9 @@ Failure handling:
     readable here (shared storage), vocabulary size and shapes; every returned token
     id must be inside the vocabulary. A mismatch raises `ServerMismatchError`.
   * a cancelled `generate` (the caller gave up) sends `/abort_request` for its rid.
+  * a server whose `--preferred-sampling-params` (its /model_info) would fill a
+    sampling key the client leaves out with a non-default value is refused at connect
+    (`ServerMismatchError`): it would change the sampling distribution silently.
 
 Threads: all HTTP runs on one background asyncio loop per group (`_IOLoop`), so the
 engines work from any caller loop (the rollout collector starts a fresh
@@ -215,6 +220,61 @@ def update_weights_body(model_path: str, weight_version: str, *,
                         flush_cache: bool = True) -> dict[str, Any]:
   return {"model_path": model_path, "weight_version": str(weight_version),
           "abort_all_requests": bool(abort_all_requests), "flush_cache": bool(flush_cache)}
+
+
+# ---- What a server may change or repeat ------------------------------------------
+# SGLang 0.5.23's SamplingParams defaults (sglang/srt/sampling/sampling_params.py) for the
+# keys generate_body leaves out. A server started with --preferred-sampling-params fills
+# every key a request leaves out from them (`{**preferred, **request}` in its tokenizer
+# manager), so a preferred value other than these changes what is sampled; the keys
+# generate_body sends always win. tests/rollout/test_sglang_faults.py checks this table
+# and the rule against SGLang's own class.
+SGLANG_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0,
+    "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1,
+    "beam_width": None, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "ignore_eos": False, "stream_interval": None, "logit_bias": None,
+    "custom_params": None, "watermark": None}
+_MISSING = object()
+
+
+def preferred_sampling_changes(preferred: Any) -> dict[str, Any]:
+  """The entries of a server's `preferred_sampling_params` (its /model_info) that would
+  change a request of generate_body: keys it leaves out, at a value other than SGLang's
+  default (a key unknown here counts as a change). {} when none would."""
+  if preferred is None:
+    return {}
+  if isinstance(preferred, str):       # the launch flag's JSON, where not parsed yet
+    try:
+      preferred = json.loads(preferred)
+    except ValueError:
+      return {"<unparsable>": preferred}
+  if not isinstance(preferred, dict):
+    return {"<not a mapping>": preferred}
+  sent = generate_body(GenerationRequest(input_ids=[0], max_new_tokens=1), "")["sampling_params"]
+  return {k: v for k, v in preferred.items()
+          if k not in sent and SGLANG_SAMPLING_DEFAULTS.get(k, _MISSING) != v}
+
+
+def check_preferred_sampling(url: str, info: Mapping[str, Any]) -> None:
+  """Refuses (ServerMismatchError) a server whose --preferred-sampling-params would
+  silently change the sampling distribution the trainer asked for."""
+  changes = preferred_sampling_changes(info.get("preferred_sampling_params"))
+  if changes:
+    raise ServerMismatchError(
+        f"{url} runs with --preferred-sampling-params that change every request's sampling "
+        f"(keys the client leaves to the server): {changes}; start it without them (the "
+        f"trainer's rollout config sets temperature, top_p, top_k)")
+
+
+def reply_proves_not_running(status: int, parsed: Any) -> bool:
+  """Whether a 5xx reply to /generate proves the server holds nothing of the request, so
+  that sending it again is its only run. SGLang 0.5.23 answers /generate with 503 only for
+  a request its scheduler aborted and released (retracted under memory pressure without
+  a KV backup, a waiting or running time limit, preempted by a higher priority): FastAPI's
+  {"detail": message} from tokenizer_manager._handle_abort_finish_reason. A 502/504 (a
+  proxy) or another 503 proves nothing: the request may still run there."""
+  return status == 503 and isinstance(parsed, dict) and isinstance(parsed.get("detail"), str)
 
 
 # ---- Reply parsing ---------------------------------------------------------------
@@ -667,6 +727,9 @@ class SGLangEngine:
           if self._by_request.get(request.request_id) == rid:
             del self._by_request[request.request_id]
       if status in (502, 503, 504):
+        if not reply_proves_not_running(status, parsed):
+          # It may still run there: stopped first, so that the re-sent one is its only run.
+          await self._abort_quietly(rid)
         last = _Unreachable(f"HTTP {status}")
         self.metrics["retries"] += 1
         await asyncio.sleep(delay)
@@ -795,6 +858,7 @@ class SGLangEngine:
                                 f"weight_version a string or null: {raw[:300]}")
     if info.get("is_generation") is False:
       raise ServerMismatchError(f"{self.url}: serves a non-generation model ({path})")
+    check_preferred_sampling(self.url, info)
     served = {}
     if info.get("model_type") is not None:
       served["model_type"] = info["model_type"]
