@@ -69,23 +69,34 @@ def test_the_cases_cover_every_registered_value():
                         ("old_logprobs", rl_trainer.OLD_LOGPROBS)]:
     for v in values:
       assert (field, v) in covered, (field, v)
-      # ... and each validates (a value the config refuses needs no run).
-      _replace(recipe.rl_trainer.RLConfig(), field, v)
   assert {v for _, v in MODEL_CASES} == set(model_config.ATTENTION_IMPLS) | set(
       model_config.REMAT_POLICIES)
 
 
 @pytest.fixture(scope="module")
 def small(smoke_rl):
-  """The smoke config, with fewer and shorter rollouts (each case compiles its own step)."""
+  """The smoke config, with fewer and shorter rollouts. Each case builds a trainer, hence
+  jits its own step: JAX's persistent cache (as the recipe uses it) loads the programs
+  that cases share (most options change only the batch preparation) instead of compiling
+  each again; switched off after this module."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  from rstar_jax import compile_cache
   cfg, ctx, model, pool, root = smoke_rl
+  old = {k: getattr(jax.config, k) for k in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+      "jax_compilation_cache_max_size")}
+  compile_cache.enable(str(root / "compile_cache"), min_compile_time_secs=0.0)
   rl = dataclasses.replace(cfg.rl, prompts_per_step=2, samples_per_prompt=4,
                            downsample=dataclasses.replace(cfg.rl.downsample, group_size=2))
   agent = dataclasses.replace(cfg.stage1.agent, max_response_tokens=24)
   export = str(root / "reference_export")
   hf_io.save_hf(recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules), export,
                 dtype=cfg.model.param_dtype)
-  return cfg, ctx, pool, root, rl, agent, export
+  yield cfg, ctx, pool, root, rl, agent, export
+  for k, v in old.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
 
 
 def _model(cfg, ctx, **model_overrides):
@@ -108,6 +119,11 @@ def _one_rl_step(small, name, rl, **model_overrides):
     t.close()
   assert t.step == 1 and len(history) == 1
   m = history[0]
+  if rl.downsample.drop_equal_reward_groups and m["update/skipped"] == 1.0:
+    # The random policy's groups all have reward 0: dropped, nothing to update (what
+    # the option is for). The step ran and said so.
+    assert m["update/zero_advantage"] == 1.0 and "train/loss" not in m
+    return m
   assert m["update/skipped"] == 0.0, m
   for k in ("train/loss", "train/grad_norm", "train/pg_loss"):
     assert math.isfinite(m[k]), (k, m[k])
@@ -165,3 +181,37 @@ def test_kl_to_the_reference_runs_and_is_zero_before_the_first_update(small):
   _, _, _, _, rl, _, _ = small
   m = _one_rl_step(small, "kl_zero", _replace(rl, "loss.kl_coef", 0.5))
   assert abs(m["train/kl_loss"]) < 1e-6, m["train/kl_loss"]
+
+
+def test_a_resumed_stage_has_the_same_reference_and_refuses_another(small):
+  """The reference is not saved: a resumed stage derives it again from the weights it
+  starts from (the same export), and the checkpoint's fingerprint of it refuses a
+  resume against other weights (the export replaced in between)."""
+  import jax
+  cfg, ctx, pool, root, rl, agent, _ = small
+  rl = _replace(rl, "loss.kl_coef", 0.5)
+
+  def trainer(seed):
+    c = dataclasses.replace(cfg, seed=seed)
+    model = recipe.initial_model(c, ctx.tokenizer, ctx.mesh, ctx.rules)
+    return rl_trainer.RLTrainer(rl, agent, model, ctx.tokenizer, ctx.proto,
+                                ctx.train_problems, engines=pool, tools=ctx.tools,
+                                workdir=str(root / "resume_ref"), seed=0, mesh=ctx.mesh,
+                                rules=ctx.rules)
+  first = trainer(0)
+  start = jax.tree.map(np.asarray, first.ref_params)
+  first.run(1, progress=False)
+  first.close()
+  # The jitted step donated the state it started from; the reference shares no buffer
+  # with it (reading a donated array would raise) and is unchanged.
+  after = jax.tree.map(np.asarray, first.ref_params)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(after)))
+  again = trainer(0)
+  assert again.maybe_restore() and again.step == 1
+  assert all(np.asarray(a).tobytes() == b.tobytes()
+             for a, b in zip(jax.tree.leaves(again.ref_params), jax.tree.leaves(start)))
+  again.close()
+  other = trainer(1)   # other starting weights
+  with pytest.raises(ValueError, match="rl.reference: the reference policy differs"):
+    other.maybe_restore()
+  other.close()
