@@ -570,7 +570,9 @@ def test_a_stage_without_learning_signal_says_so(tmp_path):
   """A random policy solves nothing: reward 0 in every group, zero advantage at every
   step. The stage warns once and records it in DONE.json (issue 37)."""
   out = _run(tmp_path, "--config.stage1.num_steps=2", "--stages=stage1",
-             "--config.allow_random_init=True")
+             "--config.allow_random_init=True", "--config.rl.prompts_per_step=2",
+             "--config.rl.samples_per_prompt=4", "--config.rl.downsample.group_size=2",
+             "--config.stage1.agent.max_response_tokens=16")
   assert out.count("NO LEARNING SIGNAL") == 1, out[-3000:]
   done = json.load(open(tmp_path / "stage1" / "DONE.json"))
   assert done["no_learning_signal"] is True

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rstar_jax import checkpoint as ckpt_lib
+from rstar_jax import config_utils
 from rstar_jax import distributed
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
@@ -174,9 +175,9 @@ class RLTrainer:
       if jax.tree.leaves(rest) or mine != theirs or any(
           (a.shape, a.dtype) != (b.shape, b.dtype)
           for a, b in zip(jax.tree.leaves(self.state.params), jax.tree.leaves(params))):
-        raise ValueError("rl.reference: the reference model's parameters (names, shapes, "
-                         "dtypes) differ from the policy's; it must be a checkpoint of the "
-                         "same architecture")
+        raise config_utils.ConfigError(
+            "rl.reference: the reference model's parameters (names, shapes, dtypes) differ "
+            "from the policy's; it must be a checkpoint of the same architecture")
       if self.shardings is not None:
         params = jax.device_put(params, self.shardings.params)
       return params    # the caller's model: never donated, no copy needed
@@ -202,7 +203,7 @@ class RLTrainer:
       # The reference is derived again at every launch (from the export the stage
       # started from, or rl.reference's path): refused if that is no longer the model
       # the checkpoint's steps were taken against.
-      raise ValueError(
+      raise config_utils.ConfigError(
           f"rl.reference: the reference policy differs from the one {self.ckpt.directory} "
           "was trained against (its parameters' fingerprint changed: the starting export or "
           "the rl.reference directory was replaced); restore it, or start the stage again")
