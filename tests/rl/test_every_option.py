@@ -54,7 +54,9 @@ RL_CASES = (
 )
 # Fields of config.model that the trainers' programs depend on (both trainers run each).
 MODEL_CASES = ([("attention_impl", v) for v in model_config.ATTENTION_IMPLS]
-               + [("remat_policy", v) for v in model_config.REMAT_POLICIES])
+               + [("remat_policy", v) for v in model_config.REMAT_POLICIES]
+               + [(f, v) for f in ("dtype", "param_dtype") for v in model_config.DTYPES
+                  if v != "float32"])   # float32: the smoke model's, every case above
 SFT_CASES = [("optimizer.schedule", v) for v in optim.SCHEDULES]
 
 
@@ -69,8 +71,8 @@ def test_the_cases_cover_every_registered_value():
                         ("old_logprobs", rl_trainer.OLD_LOGPROBS)]:
     for v in values:
       assert (field, v) in covered, (field, v)
-  assert {v for _, v in MODEL_CASES} == set(model_config.ATTENTION_IMPLS) | set(
-      model_config.REMAT_POLICIES)
+  assert {v for _, v in MODEL_CASES} | {"float32"} == set(model_config.ATTENTION_IMPLS) | set(
+      model_config.REMAT_POLICIES) | set(model_config.DTYPES)
 
 
 @pytest.fixture(scope="module")
