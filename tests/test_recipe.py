@@ -457,15 +457,25 @@ def _healthy_again(fleet, victim) -> bool:
 
 
 def _assert_same_metrics(a, b):
+  """Across topologies (servers, two trainer processes with sharded parameters): the same
+  steps up to float rounding of the trainer's reductions, which another sharding orders
+  differently. Runs on ONE topology (a resume) must match bit for bit instead: see
+  `_assert_identical_runs`."""
   assert [r["step"] for r in b] == [1, 2, 3]
+  bad = []
   for ra, rb in zip(a, b):
     for k, v in ra.items():
       if k.startswith("time/"):
         continue   # wall-clock figures differ, everything else must not
       if isinstance(v, float):
-        assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-7), (ra["step"], k)
-      else:
-        assert rb[k] == v, (ra["step"], k)
+        # The sampler-vs-trainer log-prob gap is itself rounding-sized (~1e-6): a few
+        # ulps of log-probs of -10..-20, not a relative quantity.
+        tol = dict(abs=1e-5) if "logp_diff" in k else dict(rel=1e-6, abs=1e-7)
+        if rb[k] != pytest.approx(v, **tol):
+          bad.append((ra["step"], k, v, rb[k]))
+      elif rb[k] != v:
+        bad.append((ra["step"], k, v, rb[k]))
+  assert not bad, bad
 
 
 def _signal_after(workdir, sig, rows: int, delay: float):
