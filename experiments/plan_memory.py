@@ -19,7 +19,11 @@ How to read the numbers (all GB = 1e9 bytes, per device):
   alias  output buffers that reuse donated argument buffers (the state is donated);
   temp   XLA's buffer assignment of everything else: activations kept for the backward
          pass, the gradient accumulator, all-gathered weights, scratch;
-  peak   args + temp + out - alias, the figure to compare with the HBM size. It leaves out
+  ref    with kl_coef > 0: the KL term's reference policy, a copy of the parameters (no
+         gradient, no optimizer state) that stays on the devices beside the train state
+         (rl.reference). Its log-probs are a forward-only program run before the step, whose
+         temp memory is below the step's, so the peak is the step's plus this copy;
+  peak   args + temp + out - alias (+ ref), the figure to compare with the HBM size. It leaves out
          the runtime's own reserve (NCCL/RCCL buffers, allocator fragmentation, cuBLAS
          workspaces): keep ~10% of HBM (and on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION) spare.
 
@@ -101,6 +105,8 @@ class PlanCase:
     compute_entropy: whether the step also computes per-token entropy (StepConfig).
     num_hidden_layers: None keeps the preset's; fewer gives a slice of the model with
       its per-layer shapes (device_check compares such a slice with a real step).
+    kl_coef: the loss's KL weight (rl.loss.kl_coef); > 0 adds the reference log-probs to
+      the batch and the reference parameters to the peak.
   """
   preset: str = "qwen3-14b"
   mesh: tuple[tuple[str, int], ...] = (("fsdp", 64),)
@@ -115,8 +121,12 @@ class PlanCase:
   logprob_chunk: int = 512
   compute_entropy: bool = True
   num_hidden_layers: int | None = None
+  kl_coef: float = 0.0
 
   def __post_init__(self):
+    if not (isinstance(self.kl_coef, (int, float)) and math.isfinite(self.kl_coef)
+            and self.kl_coef >= 0):
+      raise ValueError(f"PlanCase.kl_coef must be finite and >= 0, got {self.kl_coef!r}")
     mesh = dict(self.mesh)
     if len(mesh) != len(self.mesh):
       raise ValueError(f"PlanCase.mesh: an axis is named twice in {self.mesh}")
@@ -181,13 +191,16 @@ class MemoryEstimate:
   generated_code_bytes: int
   state_bytes: int          # train state alone (params + optimizer), from shapes and shardings
   compile_seconds: float
+  # The KL reference's parameters (kl_coef > 0; else 0): a copy of the params' shards.
+  reference_bytes: int = 0
   # (bytes, HLO value name, shape) of the largest values in XLA's temp allocation, when
   # asked for (`plan(..., top_temp=n)`); values sharing an offset range are listed once.
   top_temp: tuple[tuple[int, str, str], ...] = ()
 
   @property
   def peak_bytes(self) -> int:
-    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+    return (self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+            + self.reference_bytes)
 
   def fits(self, hbm_gb: float) -> bool:
     return self.peak_bytes <= hbm_gb * GB
@@ -229,6 +242,11 @@ def _shard_bytes(sds: jax.ShapeDtypeStruct) -> int:
   return math.prod(shape) * jnp.dtype(sds.dtype).itemsize
 
 
+def batch_dtypes(case: PlanCase) -> dict[str, Any]:
+  """The step's batch arrays: with a KL term, the reference log-probs too."""
+  return dict(BATCH_DTYPES, **({"ref_logp": jnp.float32} if case.kl_coef > 0 else {}))
+
+
 def abstract_inputs(case: PlanCase, mesh: jax.sharding.Mesh, tx, rules=sharding.DEFAULT_RULES):
   """(graphdef, abstract TrainState, abstract batch, state shardings, batch shardings).
 
@@ -249,11 +267,12 @@ def abstract_inputs(case: PlanCase, mesh: jax.sharding.Mesh, tx, rules=sharding.
       params=jax.tree.map(with_sharding, params, shard.params),
       opt_state=jax.tree.map(with_sharding, opt_state, shard.opt_state))
   n, t = case.batch_size, case.seq_len
+  dtypes = batch_dtypes(case)
   batch_shard = {k: sharding.batch_sharding(mesh, 1 if k == "advantages" else 2, rules)
-                 for k in BATCH_DTYPES}
+                 for k in dtypes}
   batch = {k: jax.ShapeDtypeStruct((n,) if k == "advantages" else (n, t), dt,
                                    sharding=batch_shard[k])
-           for k, dt in BATCH_DTYPES.items()}
+           for k, dt in dtypes.items()}
   return graphdef, state, batch, shard, batch_shard
 
 
@@ -284,7 +303,7 @@ def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
         "exist; set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported")
   mesh = sharding.make_mesh(case.mesh_sizes, devices[:case.num_devices])
   tx = optim.make_optimizer(optimizer or optim.OptimizerConfig())
-  loss_cfg = loss or losses.LossConfig()
+  loss_cfg = dataclasses.replace(loss or losses.LossConfig(), kl_coef=case.kl_coef)
   step_cfg = ts.StepConfig(micro_batches=case.micro_batches, logprob_chunk=case.logprob_chunk,
                            compute_entropy=case.compute_entropy)
   graphdef, state, batch, shard, batch_shard = abstract_inputs(case, mesh, tx, rules)
@@ -323,7 +342,9 @@ def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
       temp_bytes=int(mem.temp_size_in_bytes),
       generated_code_bytes=int(mem.generated_code_size_in_bytes),
       state_bytes=sum(_shard_bytes(x) for x in jax.tree.leaves(state)),
-      compile_seconds=seconds, top_temp=top)
+      compile_seconds=seconds, top_temp=top,
+      reference_bytes=(sum(_shard_bytes(x) for x in jax.tree.leaves(state.params))
+                       if case.kl_coef > 0 else 0))
 
 
 def parse_mesh(spec: str) -> tuple[tuple[str, int], ...]:
@@ -364,14 +385,15 @@ def cases_from_config(config) -> list[PlanCase]:
                     micro_batch=mb, micro_batches=config.micro_batches, remat_policy=remat,
                     attention_impl=attn, attention_chunk=chunk, param_dtype=pdt,
                     dtype=config.dtype, logprob_chunk=config.logprob_chunk,
-                    compute_entropy=config.compute_entropy))
+                    compute_entropy=config.compute_entropy,
+                    kl_coef=float(config.get("kl_coef", 0.0))))
   if not out:
     raise ValueError("config selects no case: meshes, response_lens, micro_batch, "
                      "remat_policy, attention_impl and param_dtype must each be non-empty")
   return out
 
 
-_GB_COLUMNS = ("state", "args", "out", "alias", "temp", "code", "peak")
+_GB_COLUMNS = ("state", "args", "out", "alias", "temp", "code", "ref", "peak")
 HEADER = (f"{'mesh':<9}{'T':>6}{'mb':>4}{'remat':>14}{'attn':>9}{'param':>6}"
           + "".join(f"{c:>9}" for c in _GB_COLUMNS)
           + f"  {'fits MI300X/H100/H200':<22}{'compile s':>9}")
@@ -383,7 +405,7 @@ def format_row(est: MemoryEstimate) -> str:
                   for k in ("MI300X", "H100", "H200"))
   pdt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[c.param_dtype]
   sizes = (est.state_bytes, est.argument_bytes, est.output_bytes, est.alias_bytes,
-           est.temp_bytes, est.generated_code_bytes, est.peak_bytes)
+           est.temp_bytes, est.generated_code_bytes, est.reference_bytes, est.peak_bytes)
   return (f"{c.mesh_label:<9}{c.seq_len:>6}{c.micro_batch:>4}{c.remat_policy:>14}"
           f"{c.attention_label:>9}{pdt:>6}" + "".join(f"{b / GB:9.2f}" for b in sizes)
           + f"  {fits:<22}{est.compile_seconds:>9.0f}")
@@ -404,7 +426,8 @@ def main(argv: Sequence[str]) -> None:
   c0 = cases[0]
   print(f"{c0.preset}: {c0.model_config().num_params / 1e9:.2f}B params, compute "
         f"{c0.dtype}, {config.micro_batches} micro-batches/step, prompt {config.prompt_len} "
-        f"tokens, {len(jax.devices())} fake {jax.default_backend()} devices; GB = 1e9 bytes "
+        f"tokens, kl_coef {c0.kl_coef} (ref: the KL reference's parameters), "
+        f"{len(jax.devices())} fake {jax.default_backend()} devices; GB = 1e9 bytes "
         "per device; mb = sequences per micro-batch per batch shard (data x fsdp)")
   print(HEADER, flush=True)
   for case in cases:

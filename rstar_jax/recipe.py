@@ -24,6 +24,7 @@ from absl import logging
 from flax import nnx
 
 from rstar_jax import compile_cache, config_utils, distributed, sharding
+from rstar_jax import metrics as metrics_lib
 from rstar_jax import sweep as sweep_lib
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
@@ -494,10 +495,15 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
       extra = [p for p in ctx.train_problems if p not in problems]
       problems = problems + extra[:c.rl.prompts_per_step - len(problems)]
   engines = ctx.engines_for(model, sync=False)
+  reference = None    # rl.reference="stage_start": the trainer keeps `model`'s parameters
+  if c.rl.loss.kl_coef > 0 and c.rl.reference != rl_trainer.STAGE_START:
+    reference = hf_io.load_hf(c.rl.reference, mesh=ctx.mesh, rules=ctx.rules,
+                              **runtime_overrides(c))
   trainer = rl_trainer.RLTrainer(c.rl, sc.agent, model, ctx.tokenizer, ctx.proto, problems,
                                  engines=engines, tools=ctx.tools,
                                  workdir=os.path.join(ctx.workdir, stage), seed=c.seed,
-                                 mesh=ctx.mesh, rules=ctx.rules)
+                                 mesh=ctx.mesh, rules=ctx.rules, reference=reference)
+  del reference
   try:
     if not trainer.maybe_restore() and prev_stage and not sc.reset_optimizer:
       ckpts = os.path.join(ctx.workdir, prev_stage, "checkpoints")
@@ -515,10 +521,33 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
     trainer.close()
   export(ctx, model, stage)
   # Resumed at its last step, the stage ran none here: its last metrics row says how it ended.
-  last = history[-1] if history else _last_row(os.path.join(ctx.workdir, stage, "metrics_rl.jsonl"))
+  rows_path = os.path.join(ctx.workdir, stage, "metrics_rl.jsonl")
+  last = history[-1] if history else _last_row(rows_path)
+  no_signal = distributed.is_main() and _no_learning_signal(stage, rows_path)
   _mark_done(ctx.workdir, stage, {"steps": trainer.step, "problems": len(problems),
+                                  "no_learning_signal": no_signal,
                                   **{k: v for k, v in last.items() if k.startswith("rollout/")}})
   return model
+
+
+def _no_learning_signal(stage: str, rows_path: str) -> bool:
+  """Warns (once per stage) if no step of the stage had a non-zero advantage."""
+  try:
+    rows = metrics_lib.read_jsonl(rows_path)
+  except OSError:
+    return False
+  if not rl_trainer.no_learning_signal(rows):
+    return False
+  logging.warning(
+      "\n%s\n%s: NO LEARNING SIGNAL. Every one of its %d RL steps had zero advantage on "
+      "every trajectory (each group's rewards were all equal: mean reward %.3f), so the "
+      "policy gradient was 0 throughout and the stage learned nothing from its rewards. "
+      "Usually the policy solves no problem (SFT too short, a budget too small for an "
+      "answer) or all of them; see %s. Recorded as no_learning_signal in its DONE.json.\n%s",
+      "!" * 88, stage, len(rows),
+      sum(r.get("rollout/reward_mean", 0.0) for r in rows) / max(len(rows), 1), rows_path,
+      "!" * 88)
+  return True
 
 
 def run_eval(ctx: Context, model, name: str, *, source: str = ""):
@@ -707,6 +736,13 @@ def _check_files(cfg: RecipeConfig) -> None:
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
       raise config_utils.ConfigError(f"config.{key}: no such file(s) {missing}")
+  ref = cfg.rl.reference
+  if (cfg.rl.loss.kl_coef > 0 and ref != rl_trainer.STAGE_START
+      and not os.path.isfile(os.path.join(ref, "config.json"))):
+    what = "no config.json there" if os.path.isdir(ref) else "no such directory"
+    raise config_utils.ConfigError(
+        f"config.rl.reference={ref!r}: {what} (a Hugging Face export directory, or "
+        f"{rl_trainer.STAGE_START!r} for the stage's starting policy, is expected)")
 
 
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:

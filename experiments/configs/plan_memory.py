@@ -18,6 +18,8 @@ Fields:
   param_dtype: comma-separated master-weight dtypes (float32 = fp32 master weights).
   dtype: compute dtype of the matmuls.
   micro_batches: gradient-accumulation steps (a lax.scan: temp memory does not grow).
+  kl_coef: rl.loss.kl_coef; > 0 adds the KL reference's parameters (a copy of the params'
+    shards, no optimizer state) to each row's peak, and its log-probs to the batch.
   top_temp: if > 0, list this many of the largest temp buffers under each row (from XLA's
     buffer-assignment dump) to see what dominates.
 """
@@ -39,5 +41,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.attention_chunk = "1024"
   c.logprob_chunk = 512
   c.compute_entropy = True
+  c.kl_coef = 0.0
   c.top_temp = 0
   return c

@@ -11,8 +11,9 @@ overridden, e.g. `--config.stage1.num_steps=5 --config.rl.optimizer.learning_rat
 --config.rl.downsample.use_error_penalty=False --config.chat.reopen_reason=False`.
 
 Variants (`--config experiments/configs/toy.py:VARIANT`):
-  smoke   a 2-layer x 64 model, a few traces and 2 RL steps: the whole pipeline in ~1 min
-          (what tests/test_recipe.py runs).
+  smoke   a 2-layer x 64 model, ~60 SFT steps and 2 RL steps with a learning signal
+          (non-zero reward and gradients): the whole pipeline in ~1 min (what
+          tests/test_recipe.py runs).
 """
 from rstar_jax import config_utils as cu
 from rstar_jax import recipe
@@ -85,12 +86,24 @@ def get_config(variant: str = ""):
              agent=dict(max_turns=6, max_response_tokens=256, temperature=1.0, top_p=1.0))
 
   if variant == "smoke":
+    # A run that learns, in about a minute. A tiny model cannot learn the tool route
+    # (copying numbers into code) in a smoke run's SFT, so its reward comes from
+    # answering directly: digit sums of level-1 products (3 x 3 digits) take few values
+    # (the commonest, 27, is 13% of problems), so after SFT on mostly direct answers
+    # (right ones: the model learns their distribution) ~5% of its guesses are right.
+    # 8 prompts x 8 samples then give each RL step groups with mixed rewards, hence
+    # non-zero advantages, gradients and Adam moments (the exact-resume tests check
+    # those), and RoC keeps other trajectories than uniform. A quarter of the traces
+    # still call the tool, so rollouts exercise the sandbox. Before (2 kinds x 2
+    # levels, 9 SFT steps): reward 0 at every step, nothing learned.
     c.model.update(preset="tiny", hidden_size=64, intermediate_size=128, head_dim=16)
-    c.data.toy.update(train_problems=64, eval_problems=4)
-    c.sft.update(epochs=1.0, rows_per_step=4, seq_len=256, eval_every=5)
-    c.sft.data.num_traces = 64
-    c.rl.update(prompts_per_step=2, samples_per_prompt=4, checkpoint_every=1)
-    c.rl.downsample.update(group_size=2, drop_equal_reward_groups=False)
+    c.data.toy.update(train_problems=64, eval_problems=4, kinds=("digit_sum",), levels=(1,))
+    # ~60 steps: the SFT loss is flat (~0.4) from step ~50.
+    c.sft.update(epochs=1.0, rows_per_step=8, seq_len=256, eval_every=20)
+    c.sft.data.num_traces = 1000
+    c.sft.data.traces.update(bug_share=0.0, no_tool_share=0.75, no_tool_correct_share=1.0)
+    c.rl.update(prompts_per_step=8, samples_per_prompt=8, checkpoint_every=1)
+    c.rl.downsample.update(group_size=4, drop_equal_reward_groups=False)
     c.rollout.engine.update(num_slots=8, max_len=320)
     c.stage1.update(num_steps=2)
     c.stage1.agent.max_response_tokens = 48

@@ -17,7 +17,7 @@ Points (`get_sweep`):
   roc       GRPO-RoC: 2G rollouts, G kept by RoC (the report's counts).
   uniform   plain GRPO at the same compute: 2G rollouts, G kept uniformly at random.
   g_only    plain GRPO with G rollouts (half the sampling compute).
-G is the variant's `rl.downsample.group_size`: 4, or 2 in the `:smoke` variant (toy.py's
+G is the variant's `rl.downsample.group_size`: 4 (also in the `:smoke` variant, toy.py's
 smoke run, to try the sweep end to end).
 """
 from rstar_jax import config_utils as cu

@@ -95,9 +95,16 @@ class LossConfig:
     eps_low, eps_high: the asymmetric ("clip-higher") PPO range, 1 - eps_low .. 1 + eps_high.
     dual_clip_c: None (report) or c > 1, e.g. 3 (release / verl), bound on negative-A tokens.
     aggregation: a registered aggregation (see the module docstring).
-    max_response_len: the constant of seq-mean-token-sum-norm (required for it).
+    max_response_len: the constant of seq-mean-token-sum-norm; None: the RL trainer sets
+      it to the stage's response budget (agent.max_response_tokens). A direct caller of
+      `ppo_loss` with that aggregation must set it.
     kl_coef: weight of KL(new || ref); 0 (default: the report uses no KL) means no reference needed.
-    kl_estimator: "k1", "k2" or "k3" (k3 clamped to [-10, 10] as verl's low_var_kl).
+      The RL trainer's reference is `RLConfig.reference` (by default the stage's
+      starting policy), its log-probs computed before each update.
+    kl_estimator: Schulman's per-token estimators of KL(new || ref) from samples of the
+      policy, with d = logp_ref - logp_new: "k1" = -d (unbiased, high variance, can be
+      negative), "k2" = d^2 / 2 (biased, low variance), "k3" = exp(d) - d - 1 (unbiased,
+      >= 0, low variance; clamped to [-10, 10] as verl's low_var_kl).
     log_ratio_clamp: |log rho| is clamped here before exp, as verl does, so one wild token
       cannot overflow.
   """
@@ -119,10 +126,13 @@ class LossConfig:
                                              math.isfinite(self.dual_clip_c)):
       raise ValueError(f"LossConfig.dual_clip_c must be None or > 1, got {self.dual_clip_c}")
     get_aggregation(self.aggregation)
-    if self.aggregation == "seq-mean-token-sum-norm" and not (
+    # None validated, then refused at the first loss (`_seq_mean_token_sum_norm`) if no
+    # one filled it in: `--config.rl.loss.aggregation=seq-mean-token-sum-norm` alone was
+    # refused here although the RL trainer supplies the stage's budget (issue 37).
+    if self.max_response_len is not None and not (
         isinstance(self.max_response_len, int) and self.max_response_len > 0):
-      raise ValueError("LossConfig.max_response_len must be a positive int for "
-                       f"seq-mean-token-sum-norm, got {self.max_response_len!r}")
+      raise ValueError("LossConfig.max_response_len must be None or a positive int, got "
+                       f"{self.max_response_len!r}")
     if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
       raise ValueError(f"LossConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
     if self.kl_estimator not in KL_ESTIMATORS:
@@ -155,6 +165,9 @@ def _seq_mean_token_mean(values, mask, norm, config):
 
 @register_aggregation("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(values, mask, norm, config):
+  if config.max_response_len is None:
+    raise ValueError("LossConfig.max_response_len must be set for seq-mean-token-sum-norm "
+                     "(the RL trainer sets it to the stage's response budget)")
   return (values * mask).sum() / (config.max_response_len * jnp.maximum(norm.num_seqs, 1.0))
 
 

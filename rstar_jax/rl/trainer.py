@@ -16,6 +16,7 @@ the loop at a step boundary (see `train.interrupt`), so that holds for them too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import time
@@ -23,9 +24,12 @@ from typing import Sequence
 
 from absl import logging
 from flax import nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rstar_jax import checkpoint as ckpt_lib
+from rstar_jax import config_utils
 from rstar_jax import distributed
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
@@ -39,6 +43,8 @@ from rstar_jax.train import interrupt
 from rstar_jax.train import step as core
 
 OLD_LOGPROBS = ("sampler", "recompute")
+# rl.reference: the policy the KL term (loss.kl_coef > 0) measures against.
+STAGE_START = "stage_start"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,13 @@ class RLConfig:
       count varies per step and every distinct count would be a fresh compile.
     fixed_rows: pad every batch to the most rows a step can keep (one compile per
       stage; worth it when compiles cost more than the padding: small models).
+    reference: the reference policy of the KL term, used only when loss.kl_coef > 0:
+      "stage_start" (the parameters the stage starts from: the previous stage's export,
+      or the SFT export for stage 1; a resumed stage derives them again from that
+      export), or the path of a Hugging Face export directory (e.g. `<workdir>/sft/export`
+      to keep every stage close to the SFT model). Its log-probs are computed on the
+      trainer's mesh with the policy's chunked log-prob function; it costs one more copy
+      of the parameters (no gradient, no optimizer state) and one forward per step.
     downsample, advantage, loss, optimizer, step: the components' own configs.
   """
   prompts_per_step: int = 8
@@ -66,6 +79,7 @@ class RLConfig:
   length_multiple: int = 64
   pow2_rows: bool = True
   fixed_rows: bool = False
+  reference: str = STAGE_START
   downsample: roc.DownsampleConfig = dataclasses.field(default_factory=roc.DownsampleConfig)
   advantage: adv_lib.AdvantageConfig = dataclasses.field(
       default_factory=adv_lib.AdvantageConfig)
@@ -80,6 +94,9 @@ class RLConfig:
                  "keep_checkpoints", "length_multiple"):
       if getattr(self, name) <= 0:
         raise ValueError(f"RLConfig.{name} must be positive, got {getattr(self, name)}")
+    if not isinstance(self.reference, str) or not self.reference.strip():
+      raise ValueError(f"RLConfig.reference must be {STAGE_START!r} or the path of a Hugging "
+                       f"Face export directory, got {self.reference!r}")
     if self.downsample.group_size > self.samples_per_prompt:
       raise ValueError(f"RLConfig: downsample.group_size ({self.downsample.group_size}) "
                        f"exceeds samples_per_prompt ({self.samples_per_prompt})")
@@ -90,12 +107,14 @@ class RLTrainer:
 
   `engines` is an engine pool (`Engine` protocol plus `update_weights` and `max_len`);
   `tools` the agent loop's tool executor. Both belong to the caller.
+  `reference`: with loss.kl_coef > 0, the reference policy's model (rl.reference as a
+  path, loaded by the caller); None: the stage's starting parameters, `model`'s.
   """
 
   def __init__(self, config: RLConfig, agent: agent_loop.AgentConfig, model, tokenizer,
                proto: chat.ChatProtocol, problems: Sequence[math_data.MathProblem], *,
                engines, tools: agent_loop.ToolExecutor, workdir: str, seed: int = 0,
-               mesh=None, rules=sharding.DEFAULT_RULES):
+               mesh=None, rules=sharding.DEFAULT_RULES, reference=None):
     self.config, self.agent, self.seed = config, agent, seed
     self.tok, self.proto, self.tools, self.engines = tokenizer, proto, tools, engines
     self.workdir, self.mesh = workdir, mesh
@@ -118,10 +137,18 @@ class RLTrainer:
     self.train_step = ts.make_train_step(self.graphdef, self.tx, loss_cfg, config.step,
                                          temperature=agent.temperature, mesh=mesh,
                                          rules=rules, state_shardings=self.shardings)
-    self.logprob_fn = (ts.make_logprob_fn(self.graphdef, config.step,
-                                          temperature=agent.temperature, mesh=mesh,
-                                          rules=rules)
-                       if config.old_logprobs == "recompute" else None)
+    need_logprobs = config.old_logprobs == "recompute" or loss_cfg.kl_coef > 0
+    # One jitted forward (chunked log-probs, micro-batched) for the recomputed old
+    # log-probs and the reference's: the same program on other parameters.
+    self._logprobs = (ts.make_logprob_fn(self.graphdef, config.step,
+                                         temperature=agent.temperature, mesh=mesh,
+                                         rules=rules) if need_logprobs else None)
+    self.logprob_fn = self._logprobs if config.old_logprobs == "recompute" else None
+    self.ref_params = None
+    self.ref_fingerprint: list[float] | None = None
+    if loss_cfg.kl_coef > 0:
+      self.ref_params = self._reference_params(reference)
+      self.ref_fingerprint = _fingerprint(self.ref_params)
     self.step = 0
     # This launch's mark on every version name: a server that missed this launch's
     # updates (out of rotation, or restarted) holding an earlier launch's `stage1-step13`
@@ -136,6 +163,33 @@ class RLTrainer:
     self._unwritten: tuple[int, dict] | None = None   # a finished step's row, not yet written
     self.last_trajectories: list[agent_loop.Trajectory] = []
 
+  # ---- the reference policy (KL term) -----------------------------------------------
+  def _reference_params(self, reference):
+    """The reference's parameters: a copy on the trainer's shardings (the train step
+    donates the state's buffers, so the starting parameters cannot be shared)."""
+    if reference is None:
+      params = self.state.params
+    else:
+      graphdef, params, rest = nnx.split(reference, nnx.Param, ...)
+      mine, theirs = jax.tree.structure(self.state.params), jax.tree.structure(params)
+      if jax.tree.leaves(rest) or mine != theirs or any(
+          (a.shape, a.dtype) != (b.shape, b.dtype)
+          for a, b in zip(jax.tree.leaves(self.state.params), jax.tree.leaves(params))):
+        raise config_utils.ConfigError(
+            "rl.reference: the reference model's parameters (names, shapes, dtypes) differ "
+            "from the policy's; it must be a checkpoint of the same architecture")
+      if self.shardings is not None:
+        params = jax.device_put(params, self.shardings.params)
+      return params    # the caller's model: never donated, no copy needed
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                   out_shardings=None if self.shardings is None else self.shardings.params)
+    return copy(params)
+
+  def reference_logprobs(self, arrays: dict) -> np.ndarray:
+    """[N, T] log-probs of the batch's targets under the reference policy."""
+    return distributed.host_value(self._logprobs(
+        self.ref_params, arrays["input_ids"], arrays["target_ids"], arrays["attention_mask"]))
+
   # ---- checkpoints -------------------------------------------------------------
   def maybe_restore(self) -> bool:
     """Resumes from this stage's latest checkpoint, if any."""
@@ -143,6 +197,16 @@ class RLTrainer:
       self.writer.truncate_after(0)   # rows of a run killed before its first checkpoint
       return False
     self.state, meta = self.ckpt.restore(self.state, self.shardings)
+    saved = meta.get("reference")
+    if self.ref_fingerprint is not None and saved is not None and not _same_fingerprint(
+        saved, self.ref_fingerprint):
+      # The reference is derived again at every launch (from the export the stage
+      # started from, or rl.reference's path): refused if that is no longer the model
+      # the checkpoint's steps were taken against.
+      raise config_utils.ConfigError(
+          f"rl.reference: the reference policy differs from the one {self.ckpt.directory} "
+          "was trained against (its parameters' fingerprint changed: the starting export or "
+          "the rl.reference directory was replaced); restore it, or start the stage again")
     self.data.restore(meta["data"])
     self.step = int(meta["step"])
     self.version = None          # the engines follow at the next step
@@ -169,7 +233,10 @@ class RLTrainer:
   def save(self) -> None:
     """Checkpoints the current step (once: a step already saved is not written again)."""
     if self.ckpt.latest_step() != self.step:
-      self.ckpt.save(self.step, self.state, {"step": self.step, "data": self.data.state()})
+      meta = {"step": self.step, "data": self.data.state()}
+      if self.ref_fingerprint is not None:
+        meta["reference"] = self.ref_fingerprint
+      self.ckpt.save(self.step, self.state, meta)
 
   def params(self):
     return self.state.params
@@ -258,11 +325,15 @@ class RLTrainer:
     if not kept:
       logging.warning("step %d: every group was dropped; no update", step)
       metrics["update/skipped"] = 1.0
+      metrics["update/zero_advantage"] = 1.0
       return metrics, None
 
     advs = adv_lib.compute_advantages([[t.reward for t in g] for g in kept], config.advantage)
     trajs = [t for g in kept for t in g]
     adv_flat = np.concatenate(advs).astype(np.float32)
+    # 1: no trajectory of the step has a non-zero advantage, so the policy-gradient term
+    # (all the loss but a KL term) and its gradient are 0 (see `no_learning_signal`).
+    metrics["update/zero_advantage"] = float(not np.any(adv_flat))
     rows = core.batch_multiple(config.step.micro_batches, self.mesh)
     arrays = batching.build_batch([rollouts.token_trajectory(t) for t in trajs], adv_flat,
                                   row_multiple=rows, length_multiple=config.length_multiple,
@@ -281,6 +352,10 @@ class RLTrainer:
       arrays["old_logp"] = distributed.host_value(self.logprob_fn(
           self.state.params, arrays["input_ids"], arrays["target_ids"],
           arrays["attention_mask"]))
+    if self.ref_params is not None:
+      t_ref = time.perf_counter()
+      arrays["ref_logp"] = self.reference_logprobs(arrays)
+      metrics["time/ref_logp_s"] = time.perf_counter() - t_ref
     self._state_ok = False
     new_state, m = self.train_step(self.state, arrays)
     m = {k: distributed.host_value(v) for k, v in m.items()}
@@ -357,3 +432,27 @@ class RLTrainer:
   def close(self):
     self.ckpt.close()
     self.writer.close()
+
+
+def _fingerprint(params) -> list[float]:
+  """Per-leaf sums of squares (float32, on the devices): a few numbers saved with each
+  checkpoint that tell whether a resumed stage's reference is the one it started with."""
+  sums = jax.jit(lambda p: [jnp.sum(jnp.square(x.astype(jnp.float32)))
+                            for x in jax.tree.leaves(p)])(params)
+  return [float(distributed.host_value(x)) for x in sums]
+
+
+def _same_fingerprint(a: Sequence[float], b: Sequence[float]) -> bool:
+  # Not bitwise: a resume on another mesh (process count) sums in another order. A
+  # replaced model differs far more than float32 rounding of a sum of squares.
+  return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-12)
+                                  for x, y in zip(a, b))
+
+
+def no_learning_signal(rows: Sequence[dict]) -> bool:
+  """Whether every RL step in `rows` (a stage's metrics rows) had zero advantage on every
+  trajectory: equal rewards in every group (all 0, as an untrained policy gets, or all
+  1), so the policy gradient was 0 at every step and the stage learned nothing from its
+  rewards."""
+  steps = [r for r in rows if "update/zero_advantage" in r]
+  return bool(steps) and all(r["update/zero_advantage"] == 1.0 for r in steps)

@@ -7,13 +7,14 @@ from experiments import plan_memory as pm
 MESH = (("fsdp", 4), ("tensor", 2))
 
 
-def _case(remat: str) -> pm.PlanCase:
+def _case(remat: str, kl_coef: float = 0.0) -> pm.PlanCase:
   # xla attention keeps [T, T] scores per layer for the backward pass unless the layer is
   # rematerialised, so even at T=256 remat="full" needs clearly less temp memory (measured:
   # 5.9 MB versus 12.8 MB). Kept small because each compile costs ~10 s on 2 cores.
   return pm.PlanCase(preset="tiny", mesh=MESH, seq_len=256, micro_batch=2, micro_batches=1,
                      remat_policy=remat, attention_impl="xla", logprob_chunk=256,
-                     compute_entropy=False, param_dtype="float32", dtype="float32")
+                     compute_entropy=False, param_dtype="float32", dtype="float32",
+                     kl_coef=kl_coef)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,23 @@ def test_reports_positive_per_device_figures(estimates):
                             - est.alias_bytes)
   row = pm.format_row(est)
   assert row.startswith("f4xt2") and "yes/yes/yes" in row
+
+
+def test_a_kl_term_adds_the_reference_parameters_and_log_probs(estimates):
+  """kl_coef > 0: the reference policy's parameters (one more copy of the params' shards,
+  no optimizer state) count in the peak, and its log-probs are one more batch array."""
+  base = estimates["full"]
+  kl = pm.plan(_case("full", kl_coef=0.1))
+  cfg = base.case.model_config()
+  params = cfg.num_params * 4 // 8   # fp32, fully sharded over the 8 devices (or close)
+  assert 0.9 * params <= kl.reference_bytes <= base.state_bytes / 3 + 64
+  assert kl.state_bytes == base.state_bytes and base.reference_bytes == 0
+  n, t = base.case.batch_size, base.case.seq_len
+  assert kl.argument_bytes == base.argument_bytes + 4 * n * t // 4   # ref_logp's shard
+  assert kl.peak_bytes == (kl.argument_bytes + kl.temp_bytes + kl.output_bytes
+                           - kl.alias_bytes + kl.reference_bytes)
+  with pytest.raises(ValueError, match="kl_coef"):
+    _case("full", kl_coef=-1.0)
 
 
 def test_full_remat_needs_less_temp_than_none(estimates):

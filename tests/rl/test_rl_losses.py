@@ -234,7 +234,7 @@ def test_zero_mask_gives_zero_not_nan():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(aggregation="sum"), "known"),
-    (dict(aggregation="seq-mean-token-sum-norm"), "max_response_len"),
+    (dict(aggregation="seq-mean-token-sum-norm", max_response_len=0), "max_response_len"),
     (dict(eps_low=1.0), "eps_low"),
     (dict(dual_clip_c=1.0), "dual_clip_c"),
     (dict(kl_estimator="k9"), "kl_estimator"),
@@ -255,5 +255,32 @@ def test_input_validation_names_the_tensor():
     losses.ppo_loss(x, x, np.ones(2), np.ones((3, 3)))
   with pytest.raises(ValueError, match="ref_logp"):
     losses.ppo_loss(x, x, np.ones(2), x, config=LossConfig(kl_coef=0.1))
+  # Valid in a config (the RL trainer fills in the stage's budget), not in a bare call.
+  with pytest.raises(ValueError, match="max_response_len must be set"):
+    losses.ppo_loss(x, x, np.ones(2), x,
+                    config=LossConfig(aggregation="seq-mean-token-sum-norm"))
   with pytest.raises(ValueError, match="differ"):
     losses.accumulate_metrics({"a": 1.0}, {"b": 1.0})
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_and_their_gradients_match_the_formulas(estimator):
+  """Schulman's estimators of KL(pi || ref) from samples of pi, written out in numpy
+  (p = log pi, r = log ref): k1 = p - r, k2 = (p - r)^2 / 2, k3 = exp(r - p) - (r - p) - 1;
+  the gradient of each with respect to p: 1, p - r, 1 - exp(r - p). At p == r all three
+  are 0 (the first step of a stage, whose reference is its starting policy)."""
+  rng = np.random.default_rng(7)
+  p = rng.normal(-2.0, 1.0, (4, 9)).astype(np.float32)
+  r = (p + rng.normal(0.0, 0.7, p.shape)).astype(np.float32)
+  p64, r64 = p.astype(np.float64), r.astype(np.float64)
+  value = {"k1": p64 - r64, "k2": 0.5 * (p64 - r64) ** 2,
+           "k3": np.exp(r64 - p64) - (r64 - p64) - 1}[estimator]
+  grad = {"k1": np.ones_like(p64), "k2": p64 - r64, "k3": 1 - np.exp(r64 - p64)}[estimator]
+  got = losses.kl_penalty(jnp.asarray(p), jnp.asarray(r), estimator)
+  np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6)
+  g = jax.grad(lambda x: losses.kl_penalty(x, jnp.asarray(r), estimator).sum())(jnp.asarray(p))
+  np.testing.assert_allclose(g, grad, rtol=1e-5, atol=1e-6)
+  assert not np.asarray(losses.kl_penalty(jnp.asarray(p), jnp.asarray(p), estimator)).any()
+  if estimator == "k3":   # clamped as verl's low_var_kl: one wild token cannot dominate
+    far = losses.kl_penalty(jnp.zeros(2), jnp.array([20.0, -30.0]), "k3")
+    np.testing.assert_array_equal(far, [10.0, 10.0])
