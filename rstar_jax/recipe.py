@@ -24,8 +24,8 @@ from absl import logging
 from flax import nnx
 
 from rstar_jax import compile_cache, config_utils, distributed, sharding
+from rstar_jax import jsonl
 from rstar_jax import metrics as metrics_lib
-from rstar_jax import sweep as sweep_lib
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
@@ -445,7 +445,7 @@ def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
 def _last_row(path: str) -> dict:
   """The last whole row of a stage's metrics file ({} if none)."""
   try:
-    return sweep_lib.last_jsonl_row(path) or {}
+    return jsonl.last_jsonl_row(path) or {}
   except OSError:
     return {}
 

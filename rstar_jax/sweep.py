@@ -18,8 +18,9 @@ tables read `eval_final.json`
 (and the last row of the last RL stage's metrics) of each point and average the
 finished points that differ only in `seed`.
 
-This is a base-layer module (stdlib, numpy and ml_collections with its absl flags only:
-config_utils is a layer above); the entry point is experiments/sweep.py.
+This is a base-layer module (stdlib, numpy, ml_collections with its absl flags, and the
+stdlib-only rstar_jax.jsonl; config_utils is a layer above); the entry point is
+experiments/sweep.py.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ import ml_collections
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
+
+from rstar_jax import jsonl
 
 
 
@@ -753,20 +756,6 @@ def run_points(points: Sequence[Point], argv_of: Callable[[Point], Sequence[str]
 
 
 # ---- results ---------------------------------------------------------------------------
-def last_jsonl_row(path: str) -> dict | None:
-  """The last whole row of a metrics JSONL file (None if it has none)."""
-  last = None
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        try:
-          last = json.loads(line)
-        except json.JSONDecodeError:
-          continue   # a half-written last line of a killed run
-  return last
-
-
 def point_metrics(point: Point) -> dict[str, Any]:
   """The point's final metrics: EVAL_KEYS (+ pass@k) from eval_final.json, and the last
   row of the last RL stage's metrics_rl.jsonl as `last_rl/<key>`. {} when neither exists."""
@@ -787,7 +776,7 @@ def point_metrics(point: Point) -> dict[str, Any]:
   for stage in reversed(STAGE_DIRS):
     path = os.path.join(point.workdir, stage, "metrics_rl.jsonl")
     if os.path.exists(path):
-      row = last_jsonl_row(path)
+      row = jsonl.last_jsonl_row(path)
       if row:
         out["last_rl/stage"] = stage
         out["last_rl/step"] = row.get("step")
