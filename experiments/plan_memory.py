@@ -411,10 +411,6 @@ def format_row(est: MemoryEstimate) -> str:
           + f"  {fits:<22}{est.compile_seconds:>9.0f}")
 
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/plan_memory.py", "plan_memory config file.")
-
-
 def main(argv: Sequence[str]) -> None:
   del argv
   config = _CONFIG.value
@@ -447,4 +443,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  # Defined here, not on import: device_check and the tests import this module as a
+  # library beside entry points that define their own --config.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "experiments/configs/plan_memory.py", "plan_memory config file.")
   config_utils.run(main)

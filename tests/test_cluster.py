@@ -100,8 +100,9 @@ def test_a_stopped_fleet_stops_its_trainer_gracefully_and_forwards_the_environme
   assert waited == [[0]], waited
 
 
-def _wait(pred):
-  """Until pred() holds: no deadline (pytest-timeout ends a hang with every stack)."""
+def _wait(pred, what: str = ""):
+  """Until pred() holds (`what` names it for a reader): no deadline (pytest-timeout ends
+  a hang with every stack)."""
   import time
   while not pred():
     time.sleep(0.1)
@@ -347,7 +348,7 @@ def _lost_node_run(tmp: str, queue) -> None:
                               start_new_session=True)
     ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work)}})
-    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node", 120)
+    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node")
     cfg = cluster.ClusterConfig(
         sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
         trainer_cpus=1.0, trainer_module="fake_trainer", trainer_config="none.py",
@@ -359,10 +360,10 @@ def _lost_node_run(tmp: str, queue) -> None:
       runner = threading.Thread(target=lambda: result.setdefault(
           "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
       runner.start()
-      _wait(lambda: (work / "starts").exists(), "the trainer's start", 120)
+      _wait(lambda: (work / "starts").exists(), "the trainer's start")
       os.killpg(second.pid, signal.SIGKILL)           # the second node and all it ran
       _wait(lambda: len((work / "starts").read_text().splitlines()) == 2,
-            "the trainer's restart with the moved server", 180)
+            "the trainer's restart with the moved server")
       (work / "done").write_text("")
       runner.join(60)
       out["after"] = list(fleet.sandbox_urls)
