@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 
 
+def read_jsonl(path: str) -> list[dict]:
+  """Every row of a JSONL file (blank lines skipped; a malformed line raises)."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def last_jsonl_row(path: str) -> dict | None:
   """The last whole row of a JSONL file (None if it has none; a half-written last line
   of a killed run is skipped)."""

@@ -73,8 +73,3 @@ class MetricsWriter:
   def close(self):
     if self._tb is not None:
       self._tb.close()
-
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-  with open(path) as f:
-    return [json.loads(l) for l in f if l.strip()]

@@ -25,7 +25,6 @@ from flax import nnx
 
 from rstar_jax import compile_cache, config_utils, distributed, sharding
 from rstar_jax import jsonl
-from rstar_jax import metrics as metrics_lib
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
@@ -533,7 +532,7 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
 def _no_learning_signal(stage: str, rows_path: str) -> bool:
   """Warns (once per stage) if no step of the stage had a non-zero advantage."""
   try:
-    rows = metrics_lib.read_jsonl(rows_path)
+    rows = jsonl.read_jsonl(rows_path)
   except OSError:
     return False
   if not rl_trainer.no_learning_signal(rows):

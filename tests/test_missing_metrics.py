@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rstar_jax import metrics as metrics_lib
+from rstar_jax import jsonl
 from rstar_jax.analysis import progress
 from rstar_jax.eval import metrics as eval_metrics
 from rstar_jax.rl import roc, rollouts
@@ -77,7 +78,7 @@ def test_jsonl_rows_lack_the_key_and_the_plot_has_a_gap(tmp_path):
   for i, trajs in enumerate(steps, start=1):
     writer.write(i, rollouts.metrics(trajs))
   writer.close()
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics_rl.jsonl"))
+  rows = jsonl.read_jsonl(os.path.join(workdir, "metrics_rl.jsonl"))
   key = "rollout/tool_error_rate_correct"
   assert [r.get(key, "absent") for r in rows] == [0.5, "absent", 0.25]
   series = progress.rl_series(str(tmp_path), ["stage1"])

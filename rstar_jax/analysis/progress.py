@@ -33,13 +33,13 @@ def rl_series(workdir: str, stages: Sequence[str], keys: Sequence[str] = tuple(k
   """The RL steps of `stages` one after another: "step" (global), "stage" (its name per
   step), "starts" ({stage: first global step - 0.5}) and each key (NaN where missing).
   Empty ("step" of length 0) when no stage has logged a step."""
-  from rstar_jax import metrics as metrics_lib
+  from rstar_jax import jsonl
   rows, offset = [], 0
   for stage in stages:
     path = os.path.join(workdir, stage, "metrics_rl.jsonl")
     if not os.path.exists(path):
       continue
-    stage_rows = metrics_lib.read_jsonl(path)
+    stage_rows = jsonl.read_jsonl(path)
     for r in stage_rows:
       rows.append({**r, "global_step": r["step"] + offset, "stage": stage})
     offset += max((r["step"] for r in stage_rows), default=0)
