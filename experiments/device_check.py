@@ -776,6 +776,8 @@ def run_check() -> dict[str, Any]:
     report["sections"][name] = result
     print(f"[device_check] {name}: {'ok' if result['ok'] else 'FAILED: ' + result['error'][:300]}"
           f" ({wall:.0f} s)", flush=True)
+    if FLAGS.out:   # what has run so far survives a kill of the whole check
+      _write_json(report, partial=True)
   report["total_s"] = time.perf_counter() - started
   report["checks"] = [dict(c, section=name) for name, r in report["sections"].items()
                       for c in r.get("checks", [])]
@@ -783,6 +785,14 @@ def run_check() -> dict[str, Any]:
   env = report["sections"].get("env", {})
   report["device"] = (env.get("devices") or [{}])[0].get("device_kind") if env.get("ok") else None
   return report
+
+
+def _write_json(report: dict[str, Any], *, partial: bool) -> None:
+  """Writes OUT/device_check.json atomically; `partial` marks a report still running."""
+  path = os.path.join(FLAGS.out, "device_check.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(dict(report, partial=partial), f, indent=1, default=_json_default)
+  os.replace(path + ".tmp", path)
 
 
 def _fmt(v) -> str:
@@ -842,8 +852,7 @@ def main(argv):
   finally:
     if not scratch_given:
       shutil.rmtree(_scratch(), ignore_errors=True)
-  with open(os.path.join(FLAGS.out, "device_check.json"), "w") as f:
-    json.dump(report, f, indent=1, default=_json_default)
+  _write_json(report, partial=False)
   text = markdown(report)
   with open(os.path.join(FLAGS.out, "device_check.md"), "w") as f:
     f.write(text)
