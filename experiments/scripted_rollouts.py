@@ -105,16 +105,19 @@ class TurnBatches:
 
 
 class TimedTools:
-  """Times every `execute` (one per tool turn) of the wrapped executor."""
+  """Times every `execute` (one per tool turn) of the wrapped executor and keeps each
+  (call, result) pair, so that a report can say which calls failed and why."""
 
   def __init__(self, inner):
     self.inner = inner
     self.latencies: list[float] = []
     self.calls = 0
+    self.records: list[tuple] = []
 
   async def execute(self, calls):
     t = time.perf_counter()
     out = await self.inner.execute(calls)
     self.latencies.append(time.perf_counter() - t)
     self.calls += len(calls)
+    self.records.extend(zip(calls, out))
     return out

@@ -25,7 +25,7 @@ def get_config():
   # The architecture comes from --hf_dir; the preset only makes the section build. What
   # --suite takes from here are the runtime fields (dtypes, attention), for backend jax.
   c.model = s(recipe.model_config.ModelConfig, preset="qwen3-14b", param_dtype="bfloat16",
-              dtype="bfloat16", remat_policy="none", attention_impl="chunked")
+              dtype="bfloat16", remat_policy="none", attention_impl="auto")  # cuDNN on NVIDIA, else chunked
   c.tokenizer = s(recipe.sources.TokenizerConfig)   # unused: --hf_dir's tokenizer
   c.data = s(recipe.sources.DataConfig)             # unused: --benchmarks
   # The sandbox on the node's CPUs: 16 samples x 30 problems run at once with a few

@@ -23,7 +23,7 @@ def get_config():
   c.mesh = s(recipe.sharding.MeshConfig, enabled=True, data=1, fsdp=-1, tensor=1)
   # model.hf_dir (the Qwen3-14B-Base checkpoint) is given on the command line.
   c.model = s(recipe.model_config.ModelConfig, preset=None, param_dtype="float32",
-              dtype="bfloat16", remat_policy="full", attention_impl="chunked")
+              dtype="bfloat16", remat_policy="full", attention_impl="auto")  # cuDNN on NVIDIA, else chunked
   c.tokenizer = s(recipe.sources.TokenizerConfig, kind="hf", path=None)
   c.chat = s(recipe.chat.ChatConfig)   # the release's texts
   c.data = s(recipe.sources.DataConfig, kind="files", integer_only=True, on_error="skip",

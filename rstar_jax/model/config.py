@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
-ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product")
+ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product", "auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

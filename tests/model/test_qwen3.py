@@ -126,7 +126,7 @@ def test_chunked_attention_and_unscanned_layers_match():
   pos = jnp.asarray([list(range(19)), list(range(12)) + list(range(5)) + [0, 0]])
   ref = np.asarray(qwen3.forward_logits(base, tokens, pos, seg))
   for change in ({"attention_impl": "chunked", "attention_chunk": 4}, {"scan_layers": False},
-                 {"attention_impl": "dot_product"},
+                 {"attention_impl": "dot_product"}, {"attention_impl": "auto", "attention_chunk": 4},
                  {"attention_impl": "blockwise", "attention_chunk": 4}):
     other = qwen3.Qwen3(CFG.replace(**change), rngs=nnx.Rngs(params=8))
     got = np.asarray(qwen3.forward_logits(other, tokens, pos, seg))
@@ -177,6 +177,19 @@ def test_fused_attention_asks_for_cudnn_only_on_an_nvidia_gpu_in_half_precision(
   b = qwen3.dot_product_attention(q, k, v, mask, causal=False, implementation="xla")
   valid = np.asarray(seg) != 0
   np.testing.assert_allclose(np.asarray(a)[valid], np.asarray(b)[valid], atol=1e-6)
+
+
+def test_auto_attention_is_cudnn_in_training_only_where_cudnn_runs(monkeypatch):
+  """"auto" (the 14B configs'): the fused kernel in training where cuDNN runs it,
+  "chunked" over a KV cache and wherever cuDNN does not run (this CPU host)."""
+  for dtype in (jnp.float32, jnp.bfloat16):
+    assert qwen3.resolve_attention_impl("auto", dtype) == "chunked"
+    assert qwen3.resolve_attention_impl("auto", dtype, cached=True) == "chunked"
+  for impl in ("xla", "chunked", "blockwise", "dot_product"):
+    assert qwen3.resolve_attention_impl(impl, jnp.bfloat16) == impl
+  monkeypatch.setattr(qwen3, "fused_attention_backend", lambda dtype: "cudnn")
+  assert qwen3.resolve_attention_impl("auto", jnp.bfloat16) == "dot_product"
+  assert qwen3.resolve_attention_impl("auto", jnp.bfloat16, cached=True) == "chunked"
 
 
 def test_bf16_compute_stays_close_to_fp32():
