@@ -285,6 +285,22 @@ FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0,
                         "xla_cpu_use_fusion_emitters": False}
 
 
+def _compile_dropping_unknown(lowered, options: dict[str, Any], keep: tuple[str, ...] = ()):
+  """Compiles with `options`, leaving out any of the speed-only FAST_COMPILE_OPTIONS that
+  this jaxlib's XLA does not know (jax 0.11 has no `xla_cpu_use_fusion_emitters`: seen
+  on the H100 image, 2026-11-27); an unknown option in `keep` (the dump options) is an
+  error as before."""
+  options = dict(options)
+  while True:
+    try:
+      return lowered.compile(compiler_options=options or None)
+    except Exception as e:   # jaxlib's JaxRuntimeError: INVALID_ARGUMENT
+      m = re.search(r"No such compile option: '([^']+)'", str(e))
+      if not m or m.group(1) not in options or m.group(1) in keep:
+        raise
+      options.pop(m.group(1))
+
+
 def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
          optimizer: optim.OptimizerConfig | None = None,
          loss: losses.LossConfig | None = None,
@@ -320,7 +336,10 @@ def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
   try:
     t0 = time.perf_counter()
     with sharding.use_mesh_rules(mesh, rules):
-      compiled = jitted.lower(state, batch).compile(compiler_options=options or None)
+      lowered = jitted.lower(state, batch)
+      compiled = _compile_dropping_unknown(lowered, options,
+                                           keep=() if compiler_options is None
+                                           else tuple(set(options) - set(compiler_options)))
     seconds = time.perf_counter() - t0
     top = ()
     if dump_dir is not None:

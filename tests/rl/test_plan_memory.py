@@ -124,3 +124,17 @@ def test_no_involuntary_rematerialisation_on_a_data_fsdp_tensor_mesh():
   assert out.returncode == 0, out.stderr[-3000:]
   assert "d4xf4xt4" in out.stdout and "FAILED" not in out.stdout, out.stdout[-3000:]
   assert "Involuntary full rematerialization" not in out.stdout + out.stderr
+
+
+def test_compile_leaves_out_a_fast_option_this_xla_does_not_know():
+  """FAST_COMPILE_OPTIONS only speed the compile: one that this jaxlib's XLA lacks (jax
+  0.11 dropped xla_cpu_use_fusion_emitters) is left out; one the caller needs is not."""
+  import jax
+  import jax.numpy as jnp
+  lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+  compiled = pm._compile_dropping_unknown(
+      lowered, {"xla_backend_optimization_level": 0, "xla_no_such_option_here": False})
+  assert [float(x) for x in compiled(jnp.ones(3))] == [2.0, 2.0, 2.0]
+  with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option_here'"):
+    pm._compile_dropping_unknown(lowered, {"xla_no_such_option_here": False},
+                                          keep=("xla_no_such_option_here",))
