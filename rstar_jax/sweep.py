@@ -79,6 +79,7 @@ EVAL_KEYS = ("pass_at_1", "tool_error_rate_correct", "tool_error_rate", "mean_re
 STAGE_KEYS = ("rollout/reward_mean", "rollout/tool_error_rate_correct",
               "rollout/model_tokens_mean")
 STAGE_DIRS = ("stage1", "stage2", "stage3")
+NO_SIGNAL_KEY = "no_signal_stages"
 
 
 # ---- values and axes -------------------------------------------------------------------
@@ -784,6 +785,21 @@ def point_metrics(point: Point) -> dict[str, Any]:
           if k in row:
             out[f"last_rl/{k.split('/', 1)[-1]}"] = row[k]
       break
+  # RL stages that trained without a learning signal (every group all-correct or
+  # all-wrong: zero advantages), from their DONE.json; "none" when every finished stage
+  # had one, absent when no RL stage finished.
+  done = {}
+  for stage in STAGE_DIRS:
+    path = os.path.join(point.workdir, stage, "DONE.json")
+    if os.path.exists(path):
+      try:
+        with open(path) as f:
+          done[stage] = json.load(f)
+      except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable stage marker ({e})") from None
+  if done:
+    out[NO_SIGNAL_KEY] = " ".join(s for s, d in done.items()
+                                  if d.get("no_learning_signal")) or "none"
   return out
 
 
@@ -835,6 +851,8 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
   runs; only the mean for one value; "(n=k)" when k values are fewer than the group's
   points; None, "n/a" in the tables, when no point has one). Raw `<metric>_mean` /
   `<metric>_std` go in the dict too (for CSV)."""
+  # Which stages lacked a learning signal is text, not a metric: counted per group.
+  metric_cols = [c for c in metric_cols if c != NO_SIGNAL_KEY]
   groups: dict[str, list[int]] = {}
   rest_of: dict[str, dict[str, Any]] = {}
   for i, p in enumerate(points):
@@ -858,6 +876,9 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
     row["n"] = len(done)
     row["left out"] = ", ".join(f"{label(i)} ({rows[i]['status']})"
                                 for i in idx if i not in done)
+    marked = [rows[i].get(NO_SIGNAL_KEY) for i in done if rows[i].get(NO_SIGNAL_KEY)]
+    row["no signal"] = (f"{sum(m != 'none' for m in marked)} of {len(marked)}"
+                        if marked else None)
     for col in metric_cols:
       vals = [x for x in (_numeric(rows[i].get(col)) for i in done) if x is not None]
       if not vals:
@@ -869,7 +890,8 @@ def seed_rows(points: Sequence[Point], rows: Sequence[Mapping[str, Any]],
       row[col] = _fmt(mean) + (f" ± {_fmt(std)}" if std is not None else "") + \
           (f" (n={len(vals)})" if len(vals) != len(idx) else "")
     out.append(row)
-  return out, ["group", *keys, "seeds", "n", "left out", *metric_cols]
+  signal_col = ["no signal"] if any(NO_SIGNAL_KEY in r for r in rows) else []
+  return out, ["group", *keys, "seeds", "n", "left out", *signal_col, *metric_cols]
 
 
 def _fmt(v: Any) -> str:
@@ -901,7 +923,7 @@ def write_tables(sweep_workdir: str, points: Sequence[Point],
   """results.csv (one row per point), results_seeds.csv (mean and std over seeds) and
   results.md (both tables) in the sweep work directory; returns the markdown."""
   rows, cols = result_rows(points, outcomes)
-  metric_cols = [c for c in cols if c not in ("point", "status") and
+  metric_cols = [c for c in cols if c not in ("point", "status", NO_SIGNAL_KEY) and
                  not any(c in p.overrides for p in points)]
   grouped, gcols = seed_rows(points, rows, metric_cols)
   gcsv_cols = [c for c in gcols if c not in metric_cols]

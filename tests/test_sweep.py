@@ -885,3 +885,26 @@ def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
   log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
   assert f"resumed SFT at step {step}" in log
   assert {r["status"] for r in csv.DictReader(open(root / "results.csv"))} == {"finished"}
+
+
+def test_tables_say_which_stages_had_no_learning_signal(tmp_path):
+  """A stage whose groups were all-correct or all-wrong trained on zero advantages; its
+  DONE.json says so, and the tables carry it: per point the stages, per seed group how
+  many seeds. A point with no finished RL stage has no entry (n/a), never "none"."""
+  pts = sweep.make_points([{"seed": 0}, {"seed": 1}, {"seed": 2}], str(tmp_path))
+  for p, flags_ in zip(pts, ({"stage1": False, "stage2": True}, {"stage1": False}, None)):
+    os.makedirs(p.workdir, exist_ok=True)
+    with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
+      json.dump({"pass_at_1": 0.25}, f)
+    for stage, flag in (flags_ or {}).items():
+      os.makedirs(os.path.join(p.workdir, stage))
+      with open(os.path.join(p.workdir, stage, "DONE.json"), "w") as f:
+        json.dump({"steps": 3, "no_learning_signal": flag}, f)
+  outcomes = [sweep.Outcome(p, "done", 0, 1.0) for p in pts]
+  rows, cols = sweep.result_rows(pts, outcomes)
+  assert [r.get(sweep.NO_SIGNAL_KEY) for r in rows] == ["stage2", "none", None]
+  md = sweep.write_tables(str(tmp_path), pts, outcomes)
+  assert "| stage2 |" in md and "| none |" in md
+  grouped, gcols = sweep.seed_rows(pts, rows, [c for c in cols if c not in ("point", "status", "seed")])
+  assert "no signal" in gcols and sweep.NO_SIGNAL_KEY not in gcols
+  assert grouped[0]["no signal"] == "1 of 2" and grouped[0]["n"] == 3
