@@ -659,7 +659,7 @@ class ChatProtocol:
     functions the rollout uses.
 
     Messages are mappings or objects with the same fields (such as
-    `rstar_jax.data.math_data.ChatMessage`): an optional `system` message (replaces
+    `rstar_jax.data.sft_examples.ChatMessage`): an optional `system` message (replaces
     the system prompt; the tools section is kept), one `user` message (the problem),
     then assistant turns. An assistant turn that calls tools (`tool_calls`:
     [{"name", "arguments"}], or calls written in its content) is followed by one
@@ -737,7 +737,7 @@ class ChatProtocol:
 
 def _get(obj: Any, key: str) -> Any:
   """Field of a message / call given as a mapping or as an object (e.g. the
-  dataclasses of rstar_jax.data.math_data)."""
+  dataclasses of rstar_jax.data.sft_examples)."""
   if isinstance(obj, Mapping):
     return obj.get(key)
   return getattr(obj, key, None)
