@@ -22,8 +22,11 @@ _MESSAGE_KEYS = frozenset(("role", "content", "tool_calls", "name", "tool_call_i
 
 
 @dataclasses.dataclass(frozen=True)
-class ToolCall:
-  """A structured tool call of an assistant message."""
+class SftToolCall:
+  """A structured tool call of an assistant message of SFT data (`{"name", "arguments"}`,
+  any tool). `rollout.chat.assistant_text` renders it into the turn's text, which the
+  rollout protocol parses back into a `rollout.chat.ParsedToolCall` (the Python tool's
+  code and input, or a parse error)."""
   name: str
   arguments: dict = dataclasses.field(hash=False)
 
@@ -32,7 +35,7 @@ class ToolCall:
 class ChatMessage:
   role: str
   content: str
-  tool_calls: tuple[ToolCall, ...] = ()
+  tool_calls: tuple[SftToolCall, ...] = ()
   name: str | None = None  # optional tool name on tool messages.
   tool_call_id: str | None = None
 
@@ -45,7 +48,7 @@ class SftExample:
   meta: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
 
-def _parse_tool_call(raw: Any, field: str) -> ToolCall:
+def _parse_tool_call(raw: Any, field: str) -> SftToolCall:
   """Accepts `{"name", "arguments"}` and OpenAI's `{"type": "function", "function": {...}}`."""
   if not isinstance(raw, dict):
     raise FieldError(field, f"a tool call must be an object, got {type(raw).__name__}")
@@ -66,7 +69,7 @@ def _parse_tool_call(raw: Any, field: str) -> ToolCall:
   if not isinstance(arguments, dict):
     raise FieldError(f"{field}.arguments",
                      f"must be a JSON object, got {type(arguments).__name__}")
-  return ToolCall(name, arguments)
+  return SftToolCall(name, arguments)
 
 
 def validate_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage, ...]:

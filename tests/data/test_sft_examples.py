@@ -39,7 +39,7 @@ def test_sft_rows_load(tmp_path):
   assert [m.role for m in first.messages] == ["system", "user", "assistant", "tool", "assistant",
                                               "tool", "assistant"]
   assert first.messages[2].tool_calls == (
-      sft_examples.ToolCall("python", {"code": "print(123*456)"}),)
+      sft_examples.SftToolCall("python", {"code": "print(123*456)"}),)
   assert first.messages[4].content == "" and first.messages[4].tool_calls[0].arguments == {"code": "1"}
   assert second.uid == "sft:2" and second.messages[-1].content == "done"
   assert sft_examples.role_counts(result.items) == {"system": 1, "user": 3, "assistant": 6,

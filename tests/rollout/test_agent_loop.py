@@ -139,7 +139,7 @@ class CountingTools:
 
   def __init__(self, url: str):
     self.inner = SandboxTools(url, timeout_s=10.0)
-    self.batches: list[list[chat.ToolCall]] = []
+    self.batches: list[list[chat.ParsedToolCall]] = []
 
   async def execute(self, calls):
     self.batches.append(list(calls))
