@@ -37,8 +37,9 @@ from typing import Any, Sequence
 from absl import logging
 
 from rstar_jax.rollout.sglang_wire import (DETERMINISTIC_KEY, SGLangError,
-                                          ServerMismatchError, ServerRequestError, abort_body,
-                                          check_preferred_sampling, continue_body, pause_body,
+                                          ServerMismatchError, abort_body,
+                                          check_preferred_sampling, check_update_weights_reply,
+                                          continue_body, loads_used_tokens, pause_body,
                                           parse_model_info, parse_server_info, update_weights_body)
 from rstar_jax.rollout.sglang_transport import RequestTimedOut, ServerUnreachable
 
@@ -186,7 +187,7 @@ class SGLangAdmin:
         logging.warning("sglang: %s has no /v1/loads; free KV from local accounting", self.url)
         return
       try:
-        used = sum(int(l["num_total_tokens"]) for l in body["loads"])
+        used = loads_used_tokens(body)
       except (KeyError, TypeError, ValueError):
         logging.warning("sglang: %s/v1/loads: unexpected reply %.200s", self.url, body)
         continue
@@ -242,10 +243,8 @@ class SGLangAdmin:
       status, reply, raw = await self._admin(
           "POST", "/update_weights_from_disk", update_weights_body(model_path, weight_version),
           ok=(200, 400))
-      if status != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
-        msg = reply.get("message") if isinstance(reply, dict) else raw[:300]
-        raise ServerRequestError(f"{self.url}/update_weights_from_disk {model_path}: {msg}",
-                                 status)
+      check_update_weights_reply(reply, status=status, raw=raw, url=self.url,
+                                 model_path=model_path)
     finally:
       try:
         await self._admin("POST", "/continue_generation", continue_body())

@@ -37,7 +37,7 @@ from absl import logging
 from rstar_jax.rollout.engine import GenerationRequest, RequestFailed
 from rstar_jax.rollout.sglang_wire import (UPDATE_PAUSE_MODES, MalformedReplyError, SGLangError,
                                           ServedResult, ServerRequestError, abort_body,
-                                          generate_body, parse_generate_reply,
+                                          error_message, generate_body, parse_generate_reply,
                                           reply_proves_not_running)
 
 if TYPE_CHECKING:
@@ -344,12 +344,8 @@ class SGLangTransport:
         delay = min(delay * 2, self.config.backoff_max_s)
         continue
       if status != 200:
-        msg = raw[:500]
-        if isinstance(parsed, dict) and "error" in parsed:
-          err = parsed["error"]
-          msg = err.get("message", msg) if isinstance(err, dict) else str(err)
         raise ServerRequestError(f"{self.url}/generate refused request {request.request_id} "
-                                 f"(HTTP {status}): {msg}", status)
+                                 f"(HTTP {status}): {error_message(parsed, raw)}", status)
       if parsed is None:
         raise MalformedReplyError(f"{self.url}/generate (rid {rid}): reply is not JSON: "
                                   f"{raw[:300]!r}")

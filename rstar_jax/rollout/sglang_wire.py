@@ -1,9 +1,9 @@
 """The SGLang API's wire format: request bodies, the sampling-params mapping, reply parsing.
 
-Pinned to SGLang 0.5.23's native API; everything that names one of its fields, routes'
-bodies or reply shapes lives here (pure functions, no I/O), so the pin is a one-file
-change. Our own rollout server (`python -m rstar_jax.rollout.server`) speaks the same
-subset. The client that sends these is `sglang_engine.SGLangEngine`
+Pinned to SGLang 0.5.23's native API: the routes' bodies and the reading of their replies
+live here (pure functions, no I/O), so that a new SGLang version's changes to them are
+changes to this file. Our own rollout server (`python -m rstar_jax.rollout.server`) speaks
+the same subset. The client that sends these is `sglang_engine.SGLangEngine`
 (`sglang_transport`: HTTP and failover; `sglang_admin`: server checks and weight updates).
 
 Requests (`POST /generate`), token-in / token-out:
@@ -20,9 +20,10 @@ against `output_ids` when present; the finish reason from `meta_info.finish_reas
 server and the field.
 
 Admin bodies and replies: `/abort_request`, `/pause_generation` (`PAUSE_MODES`),
-`/continue_generation`, `/update_weights_from_disk` (with `weight_version`), `/server_info`
-(`max_req_input_len`: the length limit; KV capacity; `DETERMINISTIC_KEY`) and `/model_info`
-(`model_path`, `weight_version`, `preferred_sampling_params`).
+`/continue_generation`, `/update_weights_from_disk` (with `weight_version`; its reply's
+`success`), `/server_info` (`max_req_input_len`: the length limit; KV capacity;
+`DETERMINISTIC_KEY`), `/model_info` (`model_path`, `weight_version`,
+`preferred_sampling_params`), `/v1/loads` (KV tokens in use) and error replies.
 """
 from __future__ import annotations
 
@@ -202,6 +203,31 @@ def parse_model_info(info: Any, *, status: int, raw: str, url: str) -> tuple[str
     raise MalformedReplyError(f"{url}/model_info: model_path must be a string and "
                               f"weight_version a string or null: {raw[:300]}")
   return path, wv
+
+
+def check_update_weights_reply(reply: Any, *, status: int, raw: str, url: str,
+                               model_path: str) -> None:
+  """Raises ServerRequestError (the server's message) unless an /update_weights_from_disk
+  reply (200, or 400 with SGLang's reason) reports success."""
+  if status != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
+    msg = reply.get("message") if isinstance(reply, dict) else raw[:300]
+    raise ServerRequestError(f"{url}/update_weights_from_disk {model_path}: {msg}", status)
+
+
+def loads_used_tokens(reply: Any) -> int:
+  """The KV tokens a /v1/loads reply counts in use (summed over its `loads` entries).
+  Raises KeyError, TypeError or ValueError for a reply of another shape."""
+  return sum(int(l["num_total_tokens"]) for l in reply["loads"])
+
+
+def error_message(parsed: Any, raw: str) -> str:
+  """The server's message of an error reply (`{"error": {"message": ...}}` or
+  `{"error": ...}`), else the reply's first 500 characters."""
+  msg = raw[:500]
+  if isinstance(parsed, dict) and "error" in parsed:
+    err = parsed["error"]
+    msg = err.get("message", msg) if isinstance(err, dict) else str(err)
+  return msg
 
 
 @dataclasses.dataclass
