@@ -37,7 +37,10 @@ def main(argv):
     sys.exit(f"unexpected arguments {argv[1:]}")
   if not _URL.value or not _OUT.value:
     sys.exit("--url and --out are required\nusage: " + __doc__.strip().splitlines()[0])
+  from rstar_jax.rollout import sglang_admin
   from rstar_jax.rollout import sglang_engine as se
+  from rstar_jax.rollout import sglang_transport as transport
+  from rstar_jax.rollout import sglang_wire as wire
   from rstar_jax.rollout.engine import GenerationRequest
 
   exchanges = []
@@ -45,7 +48,7 @@ def main(argv):
   def record(route, body, status, reply):
     exchanges.append({"route": route, "request": body, "status": status, "reply": reply})
 
-  cfg = se.ClientConfig(load_poll_s=0.0, retries=1)
+  cfg = transport.ClientConfig(load_poll_s=0.0, retries=1)
   [eng] = se.connect([_URL.value], config=cfg, on_exchange=record)
   try:
     info = eng.get_model_info()
@@ -81,13 +84,13 @@ def main(argv):
       await asyncio.to_thread(eng.continue_generation)
       try:
         await task
-      except se.SGLangError as e:   # the abort ends it (a partial result or an error)
+      except wire.SGLangError as e:   # the abort ends it (a partial result or an error)
         return aborted, str(e)[:200]
       return aborted, "completed before the abort"
     abort_outcome = asyncio.run(abort_one())
     eng.flush_cache()
     if _MODEL_PATH.value:
-      se.update_weights_from_disk([eng], os.path.abspath(_MODEL_PATH.value), _VERSION.value)
+      sglang_admin.update_weights_from_disk([eng], os.path.abspath(_MODEL_PATH.value), _VERSION.value)
   finally:
     eng.stop()
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

@@ -609,7 +609,7 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
   every later run)."""
   import types
   from rstar_jax import recipe
-  from rstar_jax.data.math_data import MathProblem
+  from rstar_jax.data.math_problems import MathProblem
   from rstar_jax.rollout.agent_loop import AgentConfig
   problems = [MathProblem(f"p{i}", "q", "1", "t") for i in range(6)]
   ctx = types.SimpleNamespace(

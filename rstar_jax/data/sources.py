@@ -14,7 +14,7 @@ from typing import Sequence
 from absl import logging
 
 from rstar_jax import config_utils
-from rstar_jax.data import math_data, toy_task
+from rstar_jax.data import math_problems, rows, sft_examples, toy_task
 from rstar_jax.model import tokenizer as tokenizer_lib
 from rstar_jax.rollout import chat
 
@@ -112,7 +112,7 @@ class ToyDataConfig:
 class DataConfig:
   """Attributes:
     kind: "toy" (generated problems) or "files" (JSONL / Parquet math data).
-    train_files / eval_files: data files (kind "files"), see `math_data.load_math_problems`.
+    train_files / eval_files: data files (kind "files"), see `math_problems.load_math_problems`.
     integer_only: keep training problems with integer answers only (the
       rStar2-Agent report, "RL Data Curation").
     on_error: "raise" on a malformed row, or "skip" (counted and reported).
@@ -128,8 +128,8 @@ class DataConfig:
   def __post_init__(self):
     if self.kind not in DATA_KINDS:
       raise ValueError(f"DataConfig.kind={self.kind!r}; choose from {DATA_KINDS}")
-    if self.on_error not in math_data.ON_ERROR:
-      raise ValueError(f"DataConfig.on_error={self.on_error!r}; choose from {math_data.ON_ERROR}")
+    if self.on_error not in rows.ON_ERROR:
+      raise ValueError(f"DataConfig.on_error={self.on_error!r}; choose from {rows.ON_ERROR}")
     if self.kind == "files" and not self.train_files and not self.eval_files:
       raise ValueError("DataConfig: kind 'files' needs train_files and/or eval_files")
 
@@ -139,7 +139,7 @@ def _toy_kinds(cfg: ToyDataConfig) -> list[str] | None:
 
 
 def load_problems(cfg: DataConfig, *, seed: int
-                  ) -> tuple[list[math_data.MathProblem], list[math_data.MathProblem]]:
+                  ) -> tuple[list[math_problems.MathProblem], list[math_problems.MathProblem]]:
   """(train, eval) problems."""
   if cfg.kind == "toy":
     t = cfg.toy
@@ -147,32 +147,32 @@ def load_problems(cfg: DataConfig, *, seed: int
                                        kinds=_toy_kinds(t))
     evals = toy_task.generate_problems(t.eval_problems, seed=seed + 10_000, levels=t.levels,
                                        kinds=_toy_kinds(t))
-    as_math = lambda ps, tag: [math_data.MathProblem(uid=f"{tag}{i}", problem=p.problem,
-                                                     answer=str(p.answer), source="toy",
-                                                     meta={"level": p.level, "kind": p.kind})
+    as_math = lambda ps, tag: [math_problems.MathProblem(uid=f"{tag}{i}", problem=p.problem,
+                                                         answer=str(p.answer), source="toy",
+                                                         meta={"level": p.level, "kind": p.kind})
                                for i, p in enumerate(ps)]
     return as_math(train, "toy-train-"), as_math(evals, "toy-eval-")
   # Training files often number their rows from 0 each (verl's extra_info.index).
-  train = (math_data.load_math_problems(list(cfg.train_files), on_error=cfg.on_error,
-                                        prefix_clashing_ids=True).items
+  train = (math_problems.load_math_problems(list(cfg.train_files), on_error=cfg.on_error,
+                                            prefix_clashing_ids=True).items
            if cfg.train_files else [])
-  evals = (math_data.load_math_problems(list(cfg.eval_files), on_error=cfg.on_error).items
+  evals = (math_problems.load_math_problems(list(cfg.eval_files), on_error=cfg.on_error).items
            if cfg.eval_files else [])
   try:   # now, not after every problem has been generated and scored
-    math_data.check_unique_uids(evals)
+    math_problems.check_unique_uids(evals)
   except ValueError as e:
-    raise math_data.DataError(path=", ".join(cfg.eval_files),
-                              message=f"evaluation problems: {e}") from None
+    raise rows.DataError(path=", ".join(cfg.eval_files),
+                         message=f"evaluation problems: {e}") from None
   if cfg.integer_only:
-    train, dropped = math_data.filter_integer_answers(train)
+    train, dropped = math_problems.filter_integer_answers(train)
     logging.info("integer filter dropped %d training problems", len(dropped))
-  train, dups = math_data.deduplicate(train)
+  train, dups = math_problems.deduplicate(train)
   logging.info("de-duplication dropped %d training problems", len(dups))
   try:   # now, not when RL starts after SFT
-    math_data.check_unique_uids(train)
+    math_problems.check_unique_uids(train)
   except ValueError as e:
-    raise math_data.DataError(path=", ".join(cfg.train_files),
-                              message=f"training problems: {e}") from None
+    raise rows.DataError(path=", ".join(cfg.train_files),
+                         message=f"training problems: {e}") from None
   return list(train), list(evals)
 
 
@@ -181,7 +181,7 @@ class SFTDataConfig:
   """Where SFT conversations come from.
 
   Attributes:
-    files: chat-message JSONL files (`math_data.load_sft_examples`); empty with the toy
+    files: chat-message JSONL files (`sft_examples.load_sft_examples`); empty with the toy
       data: generated toy traces.
     num_traces: toy traces to generate.
     traces: shares of noisy toy traces (buggy first calls, answers without the tool).
@@ -207,7 +207,7 @@ def sft_conversations(cfg: SFTDataConfig, data: DataConfig, proto: chat.ChatProt
   else:
     if not cfg.files:
       raise ValueError("SFT needs sft.files (chat-message JSONL) unless data.kind is 'toy'")
-    examples = math_data.load_sft_examples(list(cfg.files), on_error=on_error).items
+    examples = sft_examples.load_sft_examples(list(cfg.files), on_error=on_error).items
     rendered = [proto.render_conversation(e.messages) for e in examples]
   return [(r.ids, r.loss_mask) for r in rendered]
 

@@ -36,7 +36,7 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 from rstar_jax import answers
-from rstar_jax.data import math_data
+from rstar_jax.data import math_problems, rows
 from rstar_jax.rl import rewards
 
 ANSWER_TYPES = ("integer", "math", "choice")
@@ -90,7 +90,7 @@ class Benchmark:
     """The expected file layout, in words (for errors and the docs)."""
     if self.columns is None:
       return ("a JSONL / JSON / Parquet math file in any layout "
-              "rstar_jax.data.math_data.load_math_problems reads")
+              "rstar_jax.data.math_problems.load_math_problems reads")
     roles = ", ".join(f"{role}: {' or '.join(repr(c) for c in cols)}"
                       for role, cols in self.columns.items())
     where = f" ({self.dataset})" if self.dataset else ""
@@ -201,10 +201,10 @@ def _column(row: Mapping[str, Any], bench: Benchmark, role: str) -> str:
       return name
   present = [n for n in names if n in row]
   if present:   # the column is there, the cell empty (CSV) or null (Parquet)
-    raise math_data.FieldError(present[0], f"empty ({role})")
-  raise math_data.FieldError(names[0], f"missing ({role}: expected column "
-                                       f"{' or '.join(repr(n) for n in names)}; row has "
-                                       f"{sorted(row)})")
+    raise rows.FieldError(present[0], f"empty ({role})")
+  raise rows.FieldError(names[0], f"missing ({role}: expected column "
+                                  f"{' or '.join(repr(n) for n in names)}; row has "
+                                  f"{sorted(row)})")
 
 
 def _row_id(row: Mapping[str, Any], bench: Benchmark, default: str) -> str:
@@ -212,21 +212,21 @@ def _row_id(row: Mapping[str, Any], bench: Benchmark, default: str) -> str:
     value = row.get(name)
     if value is not None:
       if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
-        raise math_data.FieldError(name, f"id must be a non-empty string or an int, got "
-                                         f"{value!r:.60}")
+        raise rows.FieldError(name, f"id must be a non-empty string or an int, got "
+                                    f"{value!r:.60}")
       return str(value).strip()
   return default
 
 
 def _parse(bench: Benchmark, seed: int):
   def parse(row: dict, default_uid: str, path: pathlib.Path, row_no: int
-            ) -> math_data.MathProblem:
+            ) -> math_problems.MathProblem:
     uid = _row_id(row, bench, default_uid)
     if bench.answer_type == "choice":
       texts = {}
       for role in ("question", "correct", *INCORRECT):
         col = _column(row, bench, role)
-        texts[role] = math_data.text_field(row[col], col)
+        texts[role] = rows.text_field(row[col], col)
       options = [texts["correct"], *(texts[r] for r in INCORRECT)]
       order = option_order(len(options), uid, seed)
       letter = answers.CHOICE_LETTERS[order.index(0)]
@@ -234,24 +234,25 @@ def _parse(bench: Benchmark, seed: int):
       meta = {k: v for k, v in row.items() if k not in used}
       meta.update(answer_type="choice", options=options, order=order,
                   correct_text=texts["correct"])
-      return math_data.MathProblem(uid, render_choice(texts["question"], shuffle(options, order)),
-                                   letter, bench.name, meta)
+      return math_problems.MathProblem(uid, render_choice(texts["question"],
+                                                          shuffle(options, order)),
+                                       letter, bench.name, meta)
     p_col, a_col = _column(row, bench, "problem"), _column(row, bench, "answer")
-    problem = math_data.text_field(row[p_col], p_col, what="problem")
-    answer = math_data.answer_field(row[a_col], a_col)
+    problem = rows.text_field(row[p_col], p_col, what="problem")
+    answer = rows.answer_field(row[a_col], a_col)
     if bench.answer_type == "integer":
       value = answers.parse_integer(answer)
       if value is None:
-        raise math_data.FieldError(a_col, f"{answer!r:.60} is not an integer ({bench.name} is "
-                                          "graded as integers)")
+        raise rows.FieldError(a_col, f"{answer!r:.60} is not an integer ({bench.name} is "
+                                     "graded as integers)")
       answer = str(value)
     meta = {k: v for k, v in row.items() if k not in (p_col, a_col)}
     meta["answer_type"] = bench.answer_type
-    return math_data.MathProblem(uid, problem, answer, bench.name, meta)
+    return math_problems.MathProblem(uid, problem, answer, bench.name, meta)
   return parse
 
 
-def load(bench: Benchmark, path: str, *, seed: int = 0) -> list[math_data.MathProblem]:
+def load(bench: Benchmark, path: str, *, seed: int = 0) -> list[math_problems.MathProblem]:
   """The benchmark's problems from a local file (multiple-choice options shown in the
   order `option_order(.., uid, seed)`).
 
@@ -262,15 +263,15 @@ def load(bench: Benchmark, path: str, *, seed: int = 0) -> list[math_data.MathPr
                          f"{bench.layout()}")
   try:
     if bench.columns is None:
-      result = math_data.load_math_problems(path, on_error="raise")
+      result = math_problems.load_math_problems(path, on_error="raise")
       problems = [dataclasses.replace(p, source=bench.name,
                                       meta={**p.meta, "answer_type": bench.answer_type})
                   for p in result.items]
     else:
-      problems = list(math_data.load_rows(path, _parse(bench, seed), on_error="raise",
-                                          what=f"benchmark {bench.name}").items)
-    math_data.check_unique_uids(problems)
-  except (math_data.DataError, ValueError) as e:
+      problems = list(rows.load_rows(path, _parse(bench, seed), on_error="raise",
+                                     what=f"benchmark {bench.name}").items)
+    math_problems.check_unique_uids(problems)
+  except (rows.DataError, ValueError) as e:
     raise BenchmarkError(f"benchmark {bench.name} ({bench.layout()}): {e}") from e
   return problems
 

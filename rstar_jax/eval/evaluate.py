@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from rstar_jax.data import math_data
+from rstar_jax.data import math_problems
 from rstar_jax.eval import metrics
 from rstar_jax.rl import rollouts
 from rstar_jax.rollout import agent_loop
@@ -78,7 +78,7 @@ def _json_default(value):
 
 
 def write_samples(path: str, trajs: Sequence[agent_loop.Trajectory],
-                  problems: Sequence[math_data.MathProblem], tokenizer) -> str:
+                  problems: Sequence[math_problems.MathProblem], tokenizer) -> str:
   """One JSON line per trajectory: problem, reference answer, the whole response text
   (tool outputs included), reward and tool counts; for reading what the model did.
   The token ids (prompt, response) and the response's loss mask (1 = model-written,

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import numpy as np
 
-from rstar_jax.data import math_data
+from rstar_jax.data import math_problems
 from rstar_jax.eval import benchmarks as bench_lib
 from rstar_jax.eval import evaluate as eval_lib
 from rstar_jax.eval import metrics
@@ -278,7 +278,7 @@ def stream_of(seed: int, name: str) -> tuple[int, ...]:
 
 
 def run_benchmark(engine, tools, proto, tokenizer, bench: bench_lib.Benchmark,
-                  problems: Sequence[math_data.MathProblem], cfg: eval_lib.EvalConfig, *,
+                  problems: Sequence[math_problems.MathProblem], cfg: eval_lib.EvalConfig, *,
                   stream: Sequence[int], journal: str | None = None, journal_key: Any = None,
                   progress: bool = True, desc: str = "", model_source: str = "",
                   seed: int | None = None

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from absl import logging
 import numpy as np
 
-from rstar_jax.data import math_data
+from rstar_jax.data import math_problems
 from rstar_jax.rl import batching, rewards, roc
 from rstar_jax.rollout import agent_loop, chat, stats
 
@@ -45,7 +45,7 @@ def run_sync(coro):
 
 
 def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
-            problems: Sequence[math_data.MathProblem], *, k: int,
+            problems: Sequence[math_problems.MathProblem], *, k: int,
             agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
             desc: str = "rollouts", journal: str | None = None,
             journal_key: Any = None) -> list[list[agent_loop.Trajectory]]:

@@ -34,7 +34,7 @@ from rstar_jax import distributed
 from rstar_jax import metrics as metrics_lib
 from rstar_jax import optim
 from rstar_jax import sharding
-from rstar_jax.data import math_data
+from rstar_jax.data import math_problems
 from rstar_jax.rl import advantages as adv_lib
 from rstar_jax.rl import batching, losses, roc, rollouts
 from rstar_jax.rl import train_step as ts
@@ -112,7 +112,7 @@ class RLTrainer:
   """
 
   def __init__(self, config: RLConfig, agent: agent_loop.AgentConfig, model, tokenizer,
-               proto: chat.ChatProtocol, problems: Sequence[math_data.MathProblem], *,
+               proto: chat.ChatProtocol, problems: Sequence[math_problems.MathProblem], *,
                engines, tools: agent_loop.ToolExecutor, workdir: str, seed: int = 0,
                mesh=None, rules=sharding.DEFAULT_RULES, reference=None):
     self.config, self.agent, self.seed = config, agent, seed
@@ -129,8 +129,8 @@ class RLTrainer:
     self.tx = optim.make_optimizer(config.optimizer)
     self.graphdef, self.state, self.shardings = core.init_train_state(model, self.tx, mesh,
                                                                       rules)
-    self.data = math_data.EpochIterator(list(problems), batch_size=config.prompts_per_step,
-                                        seed=seed)
+    self.data = math_problems.EpochIterator(list(problems),
+                                            batch_size=config.prompts_per_step, seed=seed)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       max_to_keep=config.keep_checkpoints)
     self.writer = metrics_lib.MetricsWriter(workdir, "rl")
@@ -272,7 +272,7 @@ class RLTrainer:
     return -(-self.engines.max_len // m) * m
 
   # ---- one step ------------------------------------------------------------------
-  def rollouts(self, batch: Sequence[math_data.MathProblem], step: int
+  def rollouts(self, batch: Sequence[math_problems.MathProblem], step: int
                ) -> list[list[agent_loop.Trajectory]]:
     return rollouts.collect(self.engines, self.tools, self.proto, self.tok, batch,
                             k=self.config.samples_per_prompt, agent=self.agent,

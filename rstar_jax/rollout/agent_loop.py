@@ -29,7 +29,7 @@ from rstar_jax.rollout.engine import Engine, GenerationRequest, RequestFailed
 
 
 class ToolExecutor(Protocol):
-  async def execute(self, calls: Sequence[chat.ToolCall]) -> list[Mapping[str, Any]]:
+  async def execute(self, calls: Sequence[chat.ParsedToolCall]) -> list[Mapping[str, Any]]:
     """One sandbox result mapping (status, stdout, stderr, ...) per call, in order."""
 
 

@@ -19,7 +19,7 @@ from rstar_jax.registry import Registry
 from rstar_jax.rollout import scheduler
 from rstar_jax.rollout.engine import Engine
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
-from rstar_jax.rollout.sglang_engine import ClientConfig
+from rstar_jax.rollout.sglang_transport import ClientConfig
 from rstar_jax.rollout.weight_sync import DiskWeightSync, WeightSyncConfig
 
 Backend = Callable[["RolloutConfig", object], Sequence[Engine]]
@@ -40,7 +40,7 @@ class RolloutConfig:
     weight_sync: how those servers get the trainer's weights (a versioned checkpoint
       on storage they read).
     client: the HTTP client of those servers (time limits, retries, probing, the pause
-      mode of weight updates; `sglang_engine.ClientConfig`); `client.require_deterministic`
+      mode of weight updates; `sglang_transport.ClientConfig`); `client.require_deterministic`
       refuses servers not running SGLang's deterministic inference.
   """
   backend: str = "jax"

@@ -365,8 +365,11 @@ def render_executor_result(result: Mapping[str, Any], config: ChatConfig) -> str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ToolCall:
-  """One `<tool_call>` of a turn: either a runnable call or a parse error.
+class ParsedToolCall:
+  """One `<tool_call>` read from a generated turn's text: either a runnable call of the
+  Python tool or a parse error. (A tool call as SFT data states it, any tool with any
+  arguments, is `rstar_jax.data.sft_examples.SftToolCall`; rendered to text, it is parsed
+  into this.)
 
   Attributes:
     code: the Python source (None for a parse error).
@@ -401,7 +404,7 @@ class ParsedTurn:
       eos), 'length' (no stop id: cut by a budget) or None (parsed from text).
   """
   text: str
-  calls: tuple[ToolCall, ...]
+  calls: tuple[ParsedToolCall, ...]
   num_dropped: int = 0
   answer_tags: int = 0
   stop: str | None = None
@@ -419,9 +422,9 @@ class ParsedTurn:
     return sum(not c.ok for c in self.calls)
 
 
-def _parse_call(raw: str, tool_name: str, prefix: str) -> ToolCall:
-  def fail(message: str, name: str | None = None) -> ToolCall:
-    return ToolCall(name=name, error=prefix + message, raw=raw)
+def _parse_call(raw: str, tool_name: str, prefix: str) -> ParsedToolCall:
+  def fail(message: str, name: str | None = None) -> ParsedToolCall:
+    return ParsedToolCall(name=name, error=prefix + message, raw=raw)
 
   # ValueError covers JSONDecodeError and Python's limit on integer digits (a number
   # of > 4300 digits); degenerate repetition also nests brackets past the recursion
@@ -459,7 +462,7 @@ def _parse_call(raw: str, tool_name: str, prefix: str) -> ToolCall:
     stdin = ""
   if not isinstance(stdin, str):
     return fail(f"argument 'input' must be a string, got {type(stdin).__name__}", name)
-  return ToolCall(code=code, input=stdin, name=name, raw=raw)
+  return ParsedToolCall(code=code, input=stdin, name=name, raw=raw)
 
 
 def parse_tool_calls(text: str, config: ChatConfig) -> ParsedTurn:
@@ -476,8 +479,8 @@ def parse_tool_calls(text: str, config: ChatConfig) -> ParsedTurn:
   rest = text[last_end:]
   if TOOL_CALL_START in rest:
     raw = rest[rest.index(TOOL_CALL_START) + len(TOOL_CALL_START):]
-    calls.append(ToolCall(error=f"{config.parse_error_prefix}{TOOL_CALL_START} without "
-                                f"{TOOL_CALL_END}", raw=raw))
+    calls.append(ParsedToolCall(error=f"{config.parse_error_prefix}{TOOL_CALL_START} without "
+                                      f"{TOOL_CALL_END}", raw=raw))
   kept = calls[:config.max_parallel_calls]
   return ParsedTurn(text=text, calls=tuple(kept), num_dropped=len(calls) - len(kept),
                     answer_tags=count_answer_tags(text))
@@ -590,12 +593,13 @@ class ChatProtocol:
     if stop == "tool_call" and not parsed.calls:
       # Stopped at </tool_call> with no call opened (a misspelled opening tag, bare
       # JSON): a malformed call, answered with its error, not a final answer.
-      parsed = dataclasses.replace(parsed, calls=(ToolCall(
+      parsed = dataclasses.replace(parsed, calls=(ParsedToolCall(
           error=f"{self.config.parse_error_prefix}{TOOL_CALL_END} without {TOOL_CALL_START}",
           raw=text),))
     return dataclasses.replace(parsed, stop=stop)
 
-  def tool_response_text(self, call: ToolCall, result: Mapping[str, Any] | None = None) -> str:
+  def tool_response_text(self, call: ParsedToolCall, result: Mapping[str, Any] | None = None
+                         ) -> str:
     """The (truncated) text returned to the model for one call: the parse error of a
     malformed call, else the rendered sandbox result."""
     if call.error is not None:
@@ -610,7 +614,7 @@ class ChatProtocol:
     return truncate_middle(text, self.config.response_max_chars, self.config.truncation_marker)
 
   @staticmethod
-  def is_tool_error(call: ToolCall, result: Mapping[str, Any] | None = None) -> bool:
+  def is_tool_error(call: ParsedToolCall, result: Mapping[str, Any] | None = None) -> bool:
     """A call errs when it cannot be parsed or its sandbox status is not 'ok'
     (structured status, not the release's substring test). `internal_error` is the
     sandbox failing, not the code: it is no error of the model's (RoC's p_err must
@@ -659,7 +663,7 @@ class ChatProtocol:
     functions the rollout uses.
 
     Messages are mappings or objects with the same fields (such as
-    `rstar_jax.data.math_data.ChatMessage`): an optional `system` message (replaces
+    `rstar_jax.data.sft_examples.ChatMessage`): an optional `system` message (replaces
     the system prompt; the tools section is kept), one `user` message (the problem),
     then assistant turns. An assistant turn that calls tools (`tool_calls`:
     [{"name", "arguments"}], or calls written in its content) is followed by one
@@ -737,7 +741,7 @@ class ChatProtocol:
 
 def _get(obj: Any, key: str) -> Any:
   """Field of a message / call given as a mapping or as an object (e.g. the
-  dataclasses of rstar_jax.data.math_data)."""
+  dataclasses of rstar_jax.data.sft_examples)."""
   if isinstance(obj, Mapping):
     return obj.get(key)
   return getattr(obj, key, None)

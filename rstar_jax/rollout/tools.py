@@ -87,7 +87,7 @@ class SandboxTools:
       self._clients = {key: SandboxClient(self.urls, **self._kw)}  # drop clients of dead loops
     return self._clients[key]
 
-  async def execute(self, calls: Sequence[chat.ToolCall]) -> list[Mapping[str, Any]]:
+  async def execute(self, calls: Sequence[chat.ParsedToolCall]) -> list[Mapping[str, Any]]:
     from sandbox.schema import Call
     client = self._client()
     results = await client.execute(

@@ -185,7 +185,7 @@ def test_load_trajectories_errors_name_file_and_line(tmp_path):
 
 def test_write_samples_rows_load(tmp_path):
   """The evaluation's samples file carries what the analysis needs."""
-  from rstar_jax.data import math_data
+  from rstar_jax.data import math_problems
   from rstar_jax.eval import evaluate
   from rstar_jax.rollout import agent_loop
 
@@ -196,7 +196,7 @@ def test_write_samples_rows_load(tmp_path):
   t = agent_loop.Trajectory(uid="p#1", prompt_ids=[1, 2], response_ids=[3, 4, 5, 6],
                             response_mask=[1, 0, 0, 1], reward=1.0)
   path = str(tmp_path / "eval_x_samples.jsonl")
-  evaluate.write_samples(path, [t], [math_data.MathProblem("p", "q", "1", "s")], Tok())
+  evaluate.write_samples(path, [t], [math_problems.MathProblem("p", "q", "1", "s")], Tok())
   (row,) = entropy.load_trajectories(path)
   assert row.prompt_ids.tolist() == [1, 2] and row.response_ids.tolist() == [3, 4, 5, 6]
   assert row.response_mask.tolist() == [1, 0, 0, 1] and row.uid == "p#1"

@@ -250,10 +250,10 @@ def test_toy_sequences_are_short(tok, proto, traces):
 
 
 def test_rows_pass_the_sft_loader_and_render_the_same(proto, traces):
-  from rstar_jax.data import math_data
+  from rstar_jax.data import sft_examples
   for t in traces[:40]:
     row = t.as_row()
-    messages = math_data.validate_messages(row["messages"])
+    messages = sft_examples.validate_messages(row["messages"])
     assert proto.render_conversation(messages) == proto.render_conversation(t.messages)
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rstar_jax.data import math_data, toy_task
+from rstar_jax.data import math_problems, toy_task
 from rstar_jax.eval import evaluate
 from rstar_jax.rollout import agent_loop, chat
 from rstar_jax.rollout.jax_engine import GenerationResult
@@ -45,8 +45,8 @@ def test_evaluate_on_scripted_engine():
   tok = toy_task.train_toy_tokenizer(vocab_size=512, n=200)
   proto = chat.ChatProtocol(tok, toy_task.toy_chat_config())
   toy = toy_task.generate_problems(8, seed=0)
-  problems = [math_data.MathProblem(uid=f"p{i}", problem=p.problem, answer=str(p.answer),
-                                    source="toy") for i, p in enumerate(toy)]
+  problems = [math_problems.MathProblem(uid=f"p{i}", problem=p.problem, answer=str(p.answer),
+                                        source="toy") for i, p in enumerate(toy)]
   engine = ScriptedEngine(tok, proto, problems, lambda p: proto.prompt_ids(p.problem))
   cfg = agent_loop.AgentConfig(max_turns=2, max_response_tokens=64, temperature=0.8)
   report, trajs = evaluate.evaluate(engine, NoTools(), proto, tok, problems,
@@ -79,7 +79,7 @@ def test_write_samples_writes_parquet_meta_as_text(tmp_path):
   whole evaluation had run, and left a .tmp behind."""
   meta = {"date": datetime.datetime(2025, 2, 15), "difficulty": decimal.Decimal("2.5"),
           "note": b"plain", "image": b"\x89PNG", "level": 3}
-  problem = math_data.MathProblem("p", "What is 2+2?", "4", "s", meta)
+  problem = math_problems.MathProblem("p", "What is 2+2?", "4", "s", meta)
   t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1])
   path = str(tmp_path / "samples.jsonl")
   evaluate.write_samples(path, [t], [problem], _Decode())

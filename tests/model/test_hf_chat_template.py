@@ -75,7 +75,7 @@ def _render(hf_tok, messages, add_generation_prompt):
 
 def _conversation(config, *, system=None):
   """user, a structured call, its tool response, a call written in the content, its
-  response, the final answer (the SFT message layout of math_data / toy_task)."""
+  response, the final answer (the SFT message layout of sft_examples / toy_task)."""
   name = config.tool_name
   first_response = chat.render_executor_result(
       {"status": "ok", "stdout": "56088\n", "wall_time": 0.02}, config)

@@ -139,7 +139,7 @@ class CountingTools:
 
   def __init__(self, url: str):
     self.inner = SandboxTools(url, timeout_s=10.0)
-    self.batches: list[list[chat.ToolCall]] = []
+    self.batches: list[list[chat.ParsedToolCall]] = []
 
   async def execute(self, calls):
     self.batches.append(list(calls))
@@ -573,7 +573,7 @@ def test_a_failed_request_fails_its_trajectory_only_and_collect_runs_it_again(to
   asyncio.gather, losing every other trajectory. Now its trajectory ends "error", the
   others finish; `collect` runs the failed ones again with the same seed, and returns a
   twice-failed one as failed (RL drops its group, evaluation refuses to report)."""
-  from rstar_jax.data.math_data import MathProblem
+  from rstar_jax.data.math_problems import MathProblem
   from rstar_jax.rl import rollouts
   problems = [MathProblem(f"p{i}", "What is 2 + 2?", "4", "test") for i in range(3)]
   cfg = AgentConfig(max_turns=2, max_response_tokens=64)

@@ -30,7 +30,10 @@ import pytest
 from rstar_jax.data import toy_task
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.rollout import chat
+from rstar_jax.rollout import sglang_admin
 from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout import sglang_transport as transport
+from rstar_jax.rollout import sglang_wire as wire
 from rstar_jax.rollout.agent_loop import AgentConfig, run_many
 from rstar_jax.rollout.backends import RolloutConfig, build_engine_pool
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
@@ -40,7 +43,7 @@ from rstar_jax.rollout.server import ServedEngine
 
 from tests.rollout.conftest import SERVER_BUCKET, SERVER_MAX_LEN, SERVER_SLOTS, ServerProcess
 
-CLIENT = se.ClientConfig(backoff_s=0.05, backoff_max_s=0.2, retries=2, probe_interval_s=0.2,
+CLIENT = transport.ClientConfig(backoff_s=0.05, backoff_max_s=0.2, retries=2, probe_interval_s=0.2,
                          load_poll_s=0.2)
 
 
@@ -163,7 +166,7 @@ def test_a_deterministic_server_gives_the_bits_of_the_batch_invariant_engine(ser
                       extra_args=("--enable-deterministic-inference",))
   strict = dataclasses.replace(CLIENT, require_deterministic=True)
   try:
-    with pytest.raises(se.ServerMismatchError, match="--enable-deterministic-inference"):
+    with pytest.raises(wire.ServerMismatchError, match="--enable-deterministic-inference"):
       se.connect([served["servers"]["a"].url], config=strict)
     det.wait_ready()
     [eng] = se.connect([det.url], config=strict,
@@ -193,7 +196,7 @@ def test_a_deterministic_server_gives_the_bits_of_the_batch_invariant_engine(ser
 
 def test_unknown_sampling_key_refused_with_sglangs_error(served, sglang_schema):
   url = served["servers"]["a"].url
-  body = se.generate_body(GenerationRequest(input_ids=[1, 2], max_new_tokens=2), rid="bad-key")
+  body = wire.generate_body(GenerationRequest(input_ids=[1, 2], max_new_tokens=2), rid="bad-key")
   body["sampling_params"]["temprature"] = 0.5
   with pytest.raises(sglang_schema.api.JsonContractError) as want:
     sglang_schema.api.GenerateRequest.from_json_value(body)
@@ -212,7 +215,7 @@ def test_non_finite_numbers_huge_or_deep_bodies_and_string_flags_are_400s(served
   """json.loads takes NaN (a NaN temperature gave NaN log-probs), > 4300-digit numbers and
   deep nesting raised past the handlers (500s), and "false" was a true abort_all."""
   url = served["servers"]["a"].url
-  body = se.generate_body(GenerationRequest(input_ids=[1, 2], max_new_tokens=2), rid="nan")
+  body = wire.generate_body(GenerationRequest(input_ids=[1, 2], max_new_tokens=2), rid="nan")
   text = json.dumps(body).replace('"temperature": 1.0', '"temperature": NaN')
   assert "NaN" in text
   status, reply = post(url, "/generate", text.encode())
@@ -243,7 +246,7 @@ def test_weight_update_from_disk(served, sglang_schema):
   try:
     before = asyncio.run(gen_all())
     assert {r.weight_version for r in before} == {"default"}
-    secs = se.update_weights_from_disk([eng], served["dirs"]["m2"], "step-1")
+    secs = sglang_admin.update_weights_from_disk([eng], served["dirs"]["m2"], "step-1")
     assert list(secs) == [c.url]
     info = eng.get_model_info()
     assert info["weight_version"] == "step-1" and info["model_path"] == served["dirs"]["m2"]
@@ -261,10 +264,10 @@ def test_weight_update_from_disk(served, sglang_schema):
     # Another architecture is refused and leaves the served model alone.
     other = qwen3.create_model(_wider(served["cfg"]))
     hf_io.save_hf(other, served["root"] + "/wide", dtype="float32")
-    with pytest.raises(se.ServerRequestError, match="another architecture: hidden_size=48"):
-      se.update_weights_from_disk([eng], served["root"] + "/wide", "step-2")
-    with pytest.raises(se.ServerRequestError, match="no config.json"):
-      se.update_weights_from_disk([eng], served["root"] + "/missing", "step-2")
+    with pytest.raises(wire.ServerRequestError, match="another architecture: hidden_size=48"):
+      sglang_admin.update_weights_from_disk([eng], served["root"] + "/wide", "step-2")
+    with pytest.raises(wire.ServerRequestError, match="no config.json"):
+      sglang_admin.update_weights_from_disk([eng], served["root"] + "/missing", "step-2")
     assert eng.get_model_info()["weight_version"] == "step-1"
     assert asyncio.run(gen_all())[0].output_ids == after[0].output_ids
   finally:
@@ -293,7 +296,7 @@ def test_abort_and_cancel_while_paused(served, sglang_schema):
       await asyncio.get_running_loop().run_in_executor(
           None, wait_for, lambda: loads(a.url)["num_waiting_reqs"] == 1, "a waiting request")
       assert await eng.abort("ab")
-      with pytest.raises(se.GenerationAborted, match="aborted by the server") as info:
+      with pytest.raises(wire.GenerationAborted, match="aborted by the server") as info:
         await task
       assert info.value.partial.output_ids == []
       assert not await eng.abort("ab")          # nothing in flight any more
@@ -384,7 +387,7 @@ def test_server_backend_builds_the_pool(served):
   finally:
     pool.stop()
   other = qwen3.create_model(_wider(served["cfg"]))
-  with pytest.raises(se.ServerMismatchError, match="hidden_size=32 \\(trainer: 48\\)"):
+  with pytest.raises(wire.ServerMismatchError, match="hidden_size=32 \\(trainer: 48\\)"):
     build_engine_pool(RolloutConfig(backend="sglang", servers=(url,)), other)
 
 

@@ -1,4 +1,5 @@
-"""The SGLang client (`rollout/sglang_engine.py`) on its own.
+"""The SGLang client on its own: `rollout/sglang_engine.py` and its parts (`sglang_wire.py`,
+`sglang_transport.py`, `sglang_admin.py`).
 
   * contract: the request bodies it builds validate against SGLang 0.5.23's schema read
     from the pip-downloaded wheel (see `conftest.SGLangSchema` for exactly what is
@@ -22,7 +23,10 @@ import time
 from aiohttp import web
 import pytest
 
+from rstar_jax.rollout import sglang_admin
 from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout import sglang_transport as transport
+from rstar_jax.rollout import sglang_wire as wire
 from rstar_jax.rollout.engine import GenerationRequest, RequestFailed
 from rstar_jax.rollout.server import SAMPLING_FIELDS
 
@@ -46,7 +50,7 @@ def test_our_sampling_fields_are_sglangs(sglang_schema):
 @pytest.mark.parametrize("i", range(len(REQUESTS)))
 def test_generate_body_validates_against_sglang(sglang_schema, i):
   req = REQUESTS[i]
-  body = se.generate_body(req, rid=f"rid-{i}")
+  body = wire.generate_body(req, rid=f"rid-{i}")
   sglang_schema.check_generate_request(body)
   sp = body["sampling_params"]
   assert sp["top_k"] == (req.top_k if req.top_k > 0 else -1)   # SGLang rejects 0
@@ -58,25 +62,25 @@ def test_generate_body_validates_against_sglang(sglang_schema, i):
 
 
 def test_schema_rejects_unknown_sampling_keys(sglang_schema):
-  body = se.generate_body(REQUESTS[0], rid="x")
+  body = wire.generate_body(REQUESTS[0], rid="x")
   body["sampling_params"]["top_k_typo"] = 3
   with pytest.raises(sglang_schema.api.JsonContractError, match="unknown field `top_k_typo`"):
     sglang_schema.api.GenerateRequest.from_json_value(body)
   with pytest.raises(AssertionError, match="undeclared"):   # and top-level ones by our check
-    sglang_schema.check_generate_request(dict(se.generate_body(REQUESTS[0], rid="x"), seed=1))
+    sglang_schema.check_generate_request(dict(wire.generate_body(REQUESTS[0], rid="x"), seed=1))
 
 
 def test_admin_bodies_validate_against_sglang(sglang_schema):
-  sglang_schema.check_abort_request(se.abort_body("some-rid"))
-  for mode in se.PAUSE_MODES:
-    sglang_schema.check_pause_request(se.pause_body(mode))
-  assert set(se.PAUSE_MODES) == sglang_schema.pause_modes
-  sglang_schema.check_continue_request(se.continue_body())
-  sglang_schema.check_update_request(se.update_weights_body("/ckpt/step_3", "3"))
-  sglang_schema.check_update_request(se.update_weights_body("/ckpt/step_3", "3",
+  sglang_schema.check_abort_request(wire.abort_body("some-rid"))
+  for mode in wire.PAUSE_MODES:
+    sglang_schema.check_pause_request(wire.pause_body(mode))
+  assert set(wire.PAUSE_MODES) == sglang_schema.pause_modes
+  sglang_schema.check_continue_request(wire.continue_body())
+  sglang_schema.check_update_request(wire.update_weights_body("/ckpt/step_3", "3"))
+  sglang_schema.check_update_request(wire.update_weights_body("/ckpt/step_3", "3",
                                                             abort_all_requests=True))
   with pytest.raises(ValueError, match="pause mode"):
-    se.pause_body("freeze")
+    wire.pause_body("freeze")
 
 
 # ---- a fake server -------------------------------------------------------------------
@@ -204,7 +208,7 @@ class FakeServer:
     self.thread.join(10)
 
 
-FAST = se.ClientConfig(backoff_s=0.01, backoff_max_s=0.05, retries=2, probe_interval_s=0.05,
+FAST = transport.ClientConfig(backoff_s=0.01, backoff_max_s=0.05, retries=2, probe_interval_s=0.05,
                        load_poll_s=0, startup_timeout_s=10, no_server_wait_s=0.3)
 
 
@@ -283,7 +287,7 @@ def test_malformed_reply_is_a_clear_error_and_never_resent(fakes, tmp_path, case
   fake = fakes(reply if callable(reply) else (lambda b: reply), vocab_dir=str(tmp_path))
   [eng] = se.connect([fake.url], config=FAST)
   try:
-    with pytest.raises(se.MalformedReplyError, match=WHAT[case]) as info:
+    with pytest.raises(wire.MalformedReplyError, match=WHAT[case]) as info:
       run(eng.generate(REQ))
     assert fake.url in str(info.value)
     assert isinstance(info.value, RequestFailed)   # the agent loop fails that trajectory only
@@ -317,7 +321,7 @@ def test_exchanges_that_time_out_are_named_and_a_silent_server_leaves_rotation(f
   [eng] = se.connect([fake.url], config=cfg)
   try:
     fake.hang.add("/flush_cache")
-    with pytest.raises(se.RequestTimedOut, match=r"/flush_cache: .*no reply within 0.3 s"):
+    with pytest.raises(transport.RequestTimedOut, match=r"/flush_cache: .*no reply within 0.3 s"):
       eng.flush_cache()
     # Not sent again: a call that timed out may still be running (a weight load).
     assert sum(r == "/flush_cache" for r, _ in fake.calls) == 1
@@ -339,7 +343,7 @@ def test_refusal_is_not_retried(fakes):
   fake = fakes(lambda b: (400, {"error": {"message": "input too long"}}))
   [eng] = se.connect([fake.url], config=FAST)
   try:
-    with pytest.raises(se.ServerRequestError, match="input too long"):
+    with pytest.raises(wire.ServerRequestError, match="input too long"):
       run(eng.generate(REQ))
     assert fake.generates() == 1
   finally:
@@ -400,7 +404,7 @@ def test_all_servers_dead_is_a_clear_error(fakes):
   a = fakes(lambda b: "drop")
   [eng] = se.connect([a.url], config=FAST)
   try:
-    with pytest.raises(se.NoServerAvailable, match="no server left for request q"):
+    with pytest.raises(transport.NoServerAvailable, match="no server left for request q"):
       run(eng.generate(REQ))
   finally:
     eng.stop()
@@ -410,7 +414,7 @@ def test_model_mismatch_is_refused_at_connect(fakes, tmp_path):
   with open(tmp_path / "config.json", "w") as f:
     json.dump({"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64}, f)
   fake = fakes(vocab_dir=str(tmp_path))
-  with pytest.raises(se.ServerMismatchError, match=r"vocab_size=1000 \(trainer: 2048\)"):
+  with pytest.raises(wire.ServerMismatchError, match=r"vocab_size=1000 \(trainer: 2048\)"):
     se.connect([fake.url], config=FAST, expected_model={"vocab_size": 2048, "hidden_size": 64})
   [eng] = se.connect([fake.url], config=FAST,
                      expected_model={"vocab_size": 1000, "model_type": "qwen3"})
@@ -420,8 +424,8 @@ def test_model_mismatch_is_refused_at_connect(fakes, tmp_path):
 
 def test_unreachable_server_at_connect(fakes):
   url = f"http://127.0.0.1:{free_port()}"
-  with pytest.raises(se.SGLangError, match="no healthy answer from /health"):
-    se.connect([url], config=se.ClientConfig(startup_timeout_s=0.3, backoff_s=0.05))
+  with pytest.raises(wire.SGLangError, match="no healthy answer from /health"):
+    se.connect([url], config=transport.ClientConfig(startup_timeout_s=0.3, backoff_s=0.05))
 
 
 def test_flush_cache_retried_while_400(fakes):
@@ -432,7 +436,7 @@ def test_flush_cache_retried_while_400(fakes):
     eng.flush_cache()
     assert sum(r == "/flush_cache" for r, _ in fake.calls) == 3
     fake.flush_answers = [400] * 50
-    with pytest.raises(se.SGLangError, match="still refused"):
+    with pytest.raises(wire.SGLangError, match="still refused"):
       eng.flush_cache()
   finally:
     eng.stop()
@@ -442,15 +446,15 @@ def test_weight_update_sequence_and_unconfirmed_version(fakes):
   fake = fakes()
   engines = se.connect([fake.url], config=FAST)
   try:
-    secs = se.update_weights_from_disk(engines, "/ckpt/v7", "7")
+    secs = sglang_admin.update_weights_from_disk(engines, "/ckpt/v7", "7")
     assert list(secs) == [fake.url]
     admin = [r for r, _ in fake.calls if r not in ("/health", "/server_info", "/v1/loads")]
     assert admin[-4:] == ["/pause_generation", "/update_weights_from_disk",
                           "/continue_generation", "/model_info"]
     assert engines[0].weight_version == "7"
     fake.report_version = "6"          # the server claims success but keeps old weights
-    with pytest.raises(se.SGLangError, match="reports weight_version '6' after updating to '8'"):
-      se.update_weights_from_disk(engines, "/ckpt/v8", "8")
+    with pytest.raises(wire.SGLangError, match="reports weight_version '6' after updating to '8'"):
+      sglang_admin.update_weights_from_disk(engines, "/ckpt/v8", "8")
   finally:
     for e in engines:
       e.stop()
@@ -471,7 +475,7 @@ def test_real_sglang_server_info_gives_the_length_limit(fakes):
   finally:
     eng.stop()
   fake.server_info = {"context_length": None, "max_total_num_tokens": 256}
-  with pytest.raises(se.MalformedReplyError, match="max_req_input_len .SGLang. or "
+  with pytest.raises(wire.MalformedReplyError, match="max_req_input_len .SGLang. or "
                                                    "max_context_length.*neither"):
     se.connect([fake.url], config=FAST)
 
@@ -481,7 +485,7 @@ def test_reproducible_rollouts_require_sglangs_deterministic_inference(fakes, sg
   `enable_deterministic_inference` server arg as true in /server_info, or it is refused.
   The key is SGLang's own (read from its source): a flat ServerArgs field, and
   /server_info is the resolved ServerArgs."""
-  assert se.DETERMINISTIC_KEY in sglang_schema.deterministic_fields
+  assert wire.DETERMINISTIC_KEY in sglang_schema.deterministic_fields
   assert "ExecDeterministic" in sglang_schema.server_args_namespaces
   assert "resolved_dict" in sglang_schema.server_info_calls
   strict = dataclasses.replace(FAST, require_deterministic=True)
@@ -490,7 +494,7 @@ def test_reproducible_rollouts_require_sglangs_deterministic_inference(fakes, sg
           "version": "0.5.23", "frontend": "python"}
   for info in (base, dict(base, enable_deterministic_inference=False)):
     fake.server_info = info
-    with pytest.raises(se.ServerMismatchError, match="--enable-deterministic-inference"):
+    with pytest.raises(wire.ServerMismatchError, match="--enable-deterministic-inference"):
       se.connect([fake.url], config=strict)
     [eng] = se.connect([fake.url], config=FAST)     # not asked for: any server will do
     eng.stop()
@@ -555,11 +559,11 @@ def test_a_returning_server_catches_up_to_the_latest_weights(fakes):
   try:
     b.healthy = False
     eb.group.io.call(_dead(eb), 10)
-    se.update_weights_from_disk([ea, eb], "/ckpt/v1", "v1")      # a only
+    sglang_admin.update_weights_from_disk([ea, eb], "/ckpt/v1", "v1")      # a only
     b.update_delay = 1.0
     b.healthy = True                                             # catching up to v1...
     _until(lambda: any(r == "/update_weights_from_disk" for r, _ in b.calls))
-    se.update_weights_from_disk([ea, eb], "/ckpt/v2", "v2")      # ...when v2 comes
+    sglang_admin.update_weights_from_disk([ea, eb], "/ckpt/v2", "v2")      # ...when v2 comes
     _until(lambda: eb.alive)
     assert eb.weight_version == "v2" and b.weight_version == "v2"
     assert [body["weight_version"] for r, body in b.calls
@@ -591,13 +595,13 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
     eng._paused += 1             # as between _sync_from_disk's pause and continue
     eng.group.io.call(eng._abort_quietly("r-1"), 10)
     eng._paused -= 1
-    se.update_weights_from_disk([eng], "/ckpt/v1", "v1")
+    sglang_admin.update_weights_from_disk([eng], "/ckpt/v1", "v1")
     _until(lambda: sum(r == "/abort_request" for r, _ in fake.calls) >= 2)
     routes = [r for r, _ in fake.calls]
     last_abort = max(i for i, r in enumerate(routes) if r == "/abort_request")
     assert routes.index("/continue_generation") < last_abort
     # Once only: the re-sent abort is not queued again for the next update.
-    se.update_weights_from_disk([eng], "/ckpt/v2", "v2")
+    sglang_admin.update_weights_from_disk([eng], "/ckpt/v2", "v2")
     time.sleep(0.2)
     assert [b for r, b in fake.calls if r == "/abort_request"] == [{"rid": "r-1"}] * 2
     assert not eng._abort_after_pause
@@ -607,7 +611,7 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
 
 def test_in_place_pauses_are_refused_for_weight_updates():
   with pytest.raises(ValueError, match="in_place cannot be followed by a weight update"):
-    se.ClientConfig(pause_mode="in_place")
+    transport.ClientConfig(pause_mode="in_place")
 
 
 def test_one_failing_request_leaves_the_servers_other_requests_running(fakes):

@@ -9,6 +9,7 @@ from aiohttp import web
 import pytest
 
 from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout import sglang_wire as wire
 from rstar_jax.rollout.engine import GenerationRequest
 from tests.rollout import conftest
 from tests.rollout.test_sglang_engine import FAST, REQ, FakeServer, good_reply, run
@@ -47,16 +48,16 @@ def _served(sp_cls, preferred, request):
 
 
 def test_the_defaults_table_is_sglangs(sglang_sampling_params):
-  sent = se.generate_body(REQ, "r")["sampling_params"]
+  sent = wire.generate_body(REQ, "r")["sampling_params"]
   fields = dict(zip(sglang_sampling_params.__struct_fields__,
                     sglang_sampling_params.__struct_defaults__))
-  for key, value in se.SGLANG_SAMPLING_DEFAULTS.items():
+  for key, value in wire.SGLANG_SAMPLING_DEFAULTS.items():
     assert fields[key] == value, key
   # Every API key of SGLang's class is either sent or in the table (the internal ones
   # that normalize() fills are not accepted from requests).
   internal = {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len",
               "is_normalized", "ebnf_full_assistant"}
-  assert set(fields) - internal == set(sent) | set(se.SGLANG_SAMPLING_DEFAULTS)
+  assert set(fields) - internal == set(sent) | set(wire.SGLANG_SAMPLING_DEFAULTS)
 
 
 PREFERRED = [
@@ -79,12 +80,12 @@ PREFERRED = [
 @pytest.mark.parametrize("preferred", PREFERRED, ids=[str(p) for p in PREFERRED])
 def test_preferred_sampling_params_are_refused_exactly_when_they_change_sampling(
     sglang_sampling_params, preferred):
-  request = se.generate_body(GenerationRequest(input_ids=[1], max_new_tokens=8, temperature=1.0,
+  request = wire.generate_body(GenerationRequest(input_ids=[1], max_new_tokens=8, temperature=1.0,
                                                top_p=1.0, top_k=0, seed=3), "r")["sampling_params"]
   changes = _served(sglang_sampling_params, preferred, request) != _served(
       sglang_sampling_params, {}, request)
-  assert bool(se.preferred_sampling_changes(preferred)) == changes, (preferred, changes)
-  assert bool(se.preferred_sampling_changes(__import__("json").dumps(preferred))) == changes
+  assert bool(wire.preferred_sampling_changes(preferred)) == changes, (preferred, changes)
+  assert bool(wire.preferred_sampling_changes(__import__("json").dumps(preferred))) == changes
 
 
 class _PreferringServer(FakeServer):
@@ -103,7 +104,7 @@ def test_a_server_with_changing_preferred_params_is_refused_at_connect():
     [eng] = se.connect([srv.url], config=FAST)
     eng.stop()
     srv.preferred = {"repetition_penalty": 1.05}
-    with pytest.raises(se.ServerMismatchError, match=r"repetition_penalty.*1\.05"):
+    with pytest.raises(wire.ServerMismatchError, match=r"repetition_penalty.*1\.05"):
       se.connect([srv.url], config=FAST)
   finally:
     srv.stop()

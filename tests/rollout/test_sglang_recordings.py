@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout import sglang_wire as wire
 from rstar_jax.rollout.engine import GenerationRequest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,8 +39,8 @@ def replay(path: str, schema) -> dict[str, int]:
                             top_k=max(sp["top_k"], 0), stop_token_ids=tuple(sp["stop_token_ids"]),
                             seed=sp["sampling_seed"], request_id=body["rid"])
     try:
-      out = se.parse_generate_reply(reply, req, rid=body["rid"], url=path)
-    except se.GenerationAborted:
+      out = wire.parse_generate_reply(reply, req, rid=body["rid"], url=path)
+    except wire.GenerationAborted:
       routes["aborted"] = routes.get("aborted", 0) + 1
       continue
     assert 0 < len(out.output_ids) == len(out.logprobs) <= req.max_new_tokens, x

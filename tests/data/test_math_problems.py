@@ -1,4 +1,5 @@
-"""Tests for rstar_jax.data.math_data: layouts, malformed rows, filters, iteration, SFT rows."""
+"""Tests for rstar_jax.data.math_problems (and the row loader of rstar_jax.data.rows it
+reads with): layouts, malformed rows, filters, iteration."""
 import gzip
 import json
 
@@ -6,7 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rstar_jax.data import math_data as md
+from rstar_jax.data import math_problems as mp
+from rstar_jax.data.rows import DataError
+from rstar_jax.data.sft_examples import load_sft_examples
 
 DAPO_PROMPT = (
     "Solve the following math problem step by step. The last line of your response should be "
@@ -27,7 +30,7 @@ def _write_jsonl(path, rows):
 
 
 def _problems(n, prefix="p"):
-  return [md.MathProblem(f"{prefix}{i}", f"problem {i}", str(i), "test") for i in range(n)]
+  return [mp.MathProblem(f"{prefix}{i}", f"problem {i}", str(i), "test") for i in range(n)]
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -37,21 +40,21 @@ def test_dapo_parquet_layout(tmp_path):
   rows = [_verl_row(DAPO_PROMPT, "42", "a-1"), _verl_row("Compute 2+2.", "4", "a-2")]
   path = tmp_path / "dapo.parquet"
   pq.write_table(pa.Table.from_pylist(rows), path)
-  result = md.load_math_problems(path)
+  result = mp.load_math_problems(path)
   assert [p.uid for p in result.items] == ["a-1", "a-2"]
   first = result.items[0]
   assert first.problem == "What is $6 \\times 7$?"  # DAPO wrapper stripped.
   assert first.answer == "42" and first.source == "math_dapo"
   assert first.meta["ability"] == "MATH" and first.meta["reward_style"] == "rule"
   assert result.num_rows == 2 and result.num_skipped == 0
-  kept = md.load_math_problems(path, strip_instructions=False).items[0]
+  kept = mp.load_math_problems(path, strip_instructions=False).items[0]
   assert kept.problem.startswith("Solve the following")
 
 
 def test_verl_jsonl_with_system_message(tmp_path):
   row = _verl_row("Find x.", 3, 7)
   row["prompt"].insert(0, {"role": "system", "content": "be brief"})
-  result = md.load_math_problems(_write_jsonl(tmp_path / "v.jsonl", [row]), layout="verl")
+  result = mp.load_math_problems(_write_jsonl(tmp_path / "v.jsonl", [row]), layout="verl")
   (p,) = result.items
   assert (p.uid, p.problem, p.answer, p.meta["system"]) == ("7", "Find x.", "3", "be brief")
 
@@ -62,7 +65,7 @@ def test_plain_and_aime_layouts(tmp_path):
   aime = _write_jsonl(tmp_path / "aime24.jsonl", [
       {"ID": "2024-I-1", "Problem": "Find N.", "Answer": 204, "Solution": "..."}])
   aime25 = _write_jsonl(tmp_path / "aime25.jsonl", [{"question": "Find M.", "answer": "70"}])
-  result = md.load_math_problems([plain, aime, aime25])
+  result = mp.load_math_problems([plain, aime, aime25])
   a, b, c = result.items
   assert (a.uid, a.problem, a.answer, a.meta["level"]) == ("test/1.json", "What is 1+1?", "2", 1)
   assert (b.uid, b.answer, b.source) == ("2024-I-1", "204", "aime24")
@@ -74,7 +77,7 @@ def test_solution_boxed_answer_and_json_array(tmp_path):
   path.write_text(json.dumps([
       {"problem": "P1", "solution": "So \\boxed{x} no, finally $\\boxed{\\frac{1}{2}}$."},
       {"problem": "P2", "solution": "thus \\boxed 5$"}]))
-  first, second = md.load_math_problems(path).items
+  first, second = mp.load_math_problems(path).items
   assert first.answer == "\\frac{1}{2}" and first.meta["solution"].startswith("So")
   assert second.answer == "5"
 
@@ -82,11 +85,11 @@ def test_solution_boxed_answer_and_json_array(tmp_path):
 def test_unknown_file_type_and_missing_file(tmp_path):
   (tmp_path / "x.csv").write_text("a,b\n")
   with pytest.raises(ValueError, match="unknown file type"):
-    md.load_math_problems(tmp_path / "x.csv")
+    mp.load_math_problems(tmp_path / "x.csv")
   with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-    md.load_math_problems(tmp_path / "nope.jsonl")
+    mp.load_math_problems(tmp_path / "nope.jsonl")
   with pytest.raises(KeyError, match="known"):
-    md.load_math_problems(tmp_path / "x.csv", layout="hf")
+    mp.load_math_problems(tmp_path / "x.csv", layout="hf")
 
 
 # ---------------------------------------------------------------------------- malformed rows
@@ -117,8 +120,8 @@ def test_malformed_row_names_file_line_and_field(tmp_path, line, field, message)
   good = json.dumps({"problem": "fine", "answer": "1"})
   path = tmp_path / "bad.jsonl"
   path.write_text(f"{good}\n\n{line}\n")  # The blank line 2 still counts: the bad row is line 3.
-  with pytest.raises(md.DataError) as info:
-    md.load_math_problems(path)
+  with pytest.raises(DataError) as info:
+    mp.load_math_problems(path)
   error = info.value.row_error
   assert (error.row, error.unit, error.field) == (3, "line", field)
   assert message in str(info.value)
@@ -131,7 +134,7 @@ def test_float_answers_are_written_positionally(tmp_path):
   path = _write_jsonl(tmp_path / "f.jsonl", [{"problem": f"p{i}", "answer": v}
                                              for i, v in enumerate(values)])
   # Big whole floats with few digits read back as written (1e20 was refused as inexact).
-  assert [p.answer for p in md.load_math_problems(path).items] == [
+  assert [p.answer for p in mp.load_math_problems(path).items] == [
       "0.00005", "0.00000025", "0.1", "-3.25", "12", "0", "9007199254740992",
       "-100000000000000000000", "1500000000000000000000"]
 
@@ -141,7 +144,7 @@ def test_upper_case_gz_suffix_is_decompressed(tmp_path):
   was read as compressed bytes (not UTF-8)."""
   path = tmp_path / "up.JSONL.GZ"
   path.write_bytes(gzip.compress(b'{"problem": "p", "answer": "1"}\n'))
-  (p,) = md.load_math_problems(path).items
+  (p,) = mp.load_math_problems(path).items
   assert (p.problem, p.answer) == ("p", "1")
 
 
@@ -149,8 +152,8 @@ def test_parquet_error_names_row(tmp_path):
   rows = [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": ""}]
   path = tmp_path / "t.parquet"
   pq.write_table(pa.Table.from_pylist(rows), path)
-  with pytest.raises(md.DataError, match=r"t\.parquet, row 2, field 'answer': empty answer"):
-    md.load_math_problems(path)
+  with pytest.raises(DataError, match=r"t\.parquet, row 2, field 'answer': empty answer"):
+    mp.load_math_problems(path)
 
 
 def _write_empty(path, kind):
@@ -181,11 +184,11 @@ def _write_empty(path, kind):
     ("e.json", "empty data array"),
     ("e.parquet", "zero bytes"), ("e.parquet", "zero-row table"),
 ])
-@pytest.mark.parametrize("load", [md.load_math_problems, md.load_sft_examples])
+@pytest.mark.parametrize("load", [mp.load_math_problems, load_sft_examples])
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_empty_file_is_an_error_naming_it(tmp_path, name, kind, load, on_error):
   path = _write_empty(tmp_path / name, kind)
-  with pytest.raises(md.DataError, match="no rows: the file is empty or holds only blank lines"
+  with pytest.raises(DataError, match="no rows: the file is empty or holds only blank lines"
                      ) as info:
     load(path, on_error=on_error)
   assert str(path) in str(info.value) and info.value.path == str(path)
@@ -195,9 +198,9 @@ def test_empty_file_is_an_error_naming_it(tmp_path, name, kind, load, on_error):
 def test_empty_file_among_good_ones_is_named(tmp_path):
   good = _write_jsonl(tmp_path / "good.jsonl", [{"problem": "p", "answer": "1"}])
   empty = _write_empty(tmp_path / "empty.jsonl", "blank lines")
-  with pytest.raises(md.DataError, match=r"empty\.jsonl: no rows"):
-    md.load_math_problems([good, empty])
-  assert len(md.load_math_problems([good, good]).items) == 2
+  with pytest.raises(DataError, match=r"empty\.jsonl: no rows"):
+    mp.load_math_problems([good, empty])
+  assert len(mp.load_math_problems([good, good]).items) == 2
 
 
 def test_skip_mode_counts_and_reports(tmp_path):
@@ -206,13 +209,13 @@ def test_skip_mode_counts_and_reports(tmp_path):
   lines.insert(3, json.dumps({"problem": "x", "answer": ""}))
   lines.append(json.dumps({"problem": None, "answer": "1"}))
   path = _write_jsonl(tmp_path / "mixed.jsonl", lines)
-  result = md.load_math_problems(path, on_error="skip", max_reported=2)
+  result = mp.load_math_problems(path, on_error="skip", max_reported=2)
   assert [p.problem for p in result.items] == ["p0", "p1", "p2", "p3"]
   assert (result.num_rows, result.num_skipped) == (7, 3)
   assert [e.row for e in result.errors] == [2, 4]  # Only the first two reasons are kept...
   assert "skipped 3" in result.summary() and "1 more" in result.summary()  # ...all are counted.
   with pytest.raises(ValueError, match="on_error"):
-    md.load_math_problems(path, on_error="ignore")
+    mp.load_math_problems(path, on_error="ignore")
 
 
 # ---------------------------------------------------------------------------- filters
@@ -224,39 +227,39 @@ def test_skip_mode_counts_and_reports(tmp_path):
     ("12,345,678", "12345678"), ("1/2", None), ("\\sqrt{2}", None), ("3.5", None),
     ("42.0", None), ("(1,2)", None), ("1,2", None), ("12,34", None), ("\\frac{1}{2}", None)])
 def test_integer_filter_cases(text, value):
-  kept, dropped = md.filter_integer_answers([md.MathProblem("u", "P", text, "s")])
+  kept, dropped = mp.filter_integer_answers([mp.MathProblem("u", "P", text, "s")])
   assert [p.answer for p in kept] == ([] if value is None else [value])
   assert len(dropped) == (value is None)
 
 
 def test_filter_integer_answers():
-  problems = [md.MathProblem("a", "A", "1,000", "s"), md.MathProblem("b", "B", "1/2", "s"),
-              md.MathProblem("c", "C", "-7", "s"), md.MathProblem("d", "D", "\\sqrt{2}", "s")]
-  kept, dropped = md.filter_integer_answers(problems)
+  problems = [mp.MathProblem("a", "A", "1,000", "s"), mp.MathProblem("b", "B", "1/2", "s"),
+              mp.MathProblem("c", "C", "-7", "s"), mp.MathProblem("d", "D", "\\sqrt{2}", "s")]
+  kept, dropped = mp.filter_integer_answers(problems)
   assert [(p.uid, p.answer) for p in kept] == [("a", "1000"), ("c", "-7")]
   assert kept[0].meta["raw_answer"] == "1,000" and "raw_answer" not in kept[1].meta
   assert [p.uid for p in dropped] == ["b", "d"]
 
 
 def test_deduplicate_by_normalised_text():
-  problems = [md.MathProblem("a", "What is  2+2?", "4", "s"),
-              md.MathProblem("b", "what is 2+2?\n", "4", "s"),
-              md.MathProblem("c", "What is 3+3?", "6", "s"),
-              md.MathProblem("d", "WHAT IS 2+2?", "5", "s")]
-  kept, duplicates = md.deduplicate(problems)
+  problems = [mp.MathProblem("a", "What is  2+2?", "4", "s"),
+              mp.MathProblem("b", "what is 2+2?\n", "4", "s"),
+              mp.MathProblem("c", "What is 3+3?", "6", "s"),
+              mp.MathProblem("d", "WHAT IS 2+2?", "5", "s")]
+  kept, duplicates = mp.deduplicate(problems)
   assert [p.uid for p in kept] == ["a", "c"]
   assert [p.uid for p in duplicates] == ["b", "d"]
 
 
 def test_split_is_seeded_and_disjoint():
   problems = _problems(20)
-  train, held = md.split_problems(problems, held_out=0.25, seed=3)
+  train, held = mp.split_problems(problems, held_out=0.25, seed=3)
   assert len(held) == 5 and len(train) == 15
   assert {p.uid for p in train} | {p.uid for p in held} == {p.uid for p in problems}
-  assert md.split_problems(problems, held_out=5, seed=3) == (train, held)
-  assert md.split_problems(problems, held_out=5, seed=4) != (train, held)
+  assert mp.split_problems(problems, held_out=5, seed=3) == (train, held)
+  assert mp.split_problems(problems, held_out=5, seed=4) != (train, held)
   with pytest.raises(ValueError, match="held_out"):
-    md.split_problems(problems, held_out=21, seed=0)
+    mp.split_problems(problems, held_out=21, seed=0)
 
 
 # ---------------------------------------------------------------------------- iterator
@@ -268,8 +271,8 @@ def _uids(batch):
 
 def test_iterator_is_deterministic_and_reshuffles_each_epoch():
   problems = _problems(10)
-  a = md.EpochIterator(problems, batch_size=3, seed=7)
-  b = md.EpochIterator(problems, batch_size=3, seed=7)
+  a = mp.EpochIterator(problems, batch_size=3, seed=7)
+  b = mp.EpochIterator(problems, batch_size=3, seed=7)
   run_a = [_uids(next(a)) for _ in range(9)]
   assert run_a == [_uids(next(b)) for _ in range(9)]
   assert all(len(batch) == 3 for batch in run_a)
@@ -277,7 +280,7 @@ def test_iterator_is_deterministic_and_reshuffles_each_epoch():
   assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9  # No repeats inside an epoch.
   assert epoch0 != epoch1
   assert a.epoch == 3 and a.batches_per_epoch == 3
-  other = md.EpochIterator(problems, batch_size=3, seed=8)
+  other = mp.EpochIterator(problems, batch_size=3, seed=8)
   assert [_uids(next(other)) for _ in range(3)] != run_a[:3]
 
 
@@ -285,35 +288,35 @@ def test_iterator_is_deterministic_and_reshuffles_each_epoch():
 @pytest.mark.parametrize("stop_after", [1, 3, 4, 5])
 def test_iterator_resumes_exactly(drop_remainder, stop_after):
   problems = _problems(10)
-  reference = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  reference = mp.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
   expected = [_uids(next(reference)) for _ in range(stop_after + 6)]
-  first = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  first = mp.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
   for _ in range(stop_after):
     next(first)
   state = json.loads(json.dumps(first.state()))  # Must survive a JSON checkpoint.
-  resumed = md.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
+  resumed = mp.EpochIterator(problems, batch_size=3, seed=1, drop_remainder=drop_remainder)
   resumed.restore(state)
   assert [_uids(next(resumed)) for _ in range(6)] == expected[stop_after:]
 
 
 def test_iterator_short_last_batch_and_num_epochs():
-  it = md.EpochIterator(_problems(5), batch_size=2, seed=0, drop_remainder=False, num_epochs=2)
+  it = mp.EpochIterator(_problems(5), batch_size=2, seed=0, drop_remainder=False, num_epochs=2)
   sizes = [len(batch) for batch in it]
   assert sizes == [2, 2, 1, 2, 2, 1]
 
 
 def test_iterator_rejects_foreign_state_and_bad_settings():
-  it = md.EpochIterator(_problems(6), batch_size=2, seed=0)
+  it = mp.EpochIterator(_problems(6), batch_size=2, seed=0)
   with pytest.raises(ValueError, match="fingerprint"):
-    it.restore(md.EpochIterator(_problems(6, "q"), batch_size=2, seed=0).state())
+    it.restore(mp.EpochIterator(_problems(6, "q"), batch_size=2, seed=0).state())
   with pytest.raises(ValueError, match="seed"):
-    it.restore(md.EpochIterator(_problems(6), batch_size=2, seed=1).state())
+    it.restore(mp.EpochIterator(_problems(6), batch_size=2, seed=1).state())
   with pytest.raises(ValueError, match="lacks"):
     it.restore({"epoch": 0})
   with pytest.raises(ValueError, match="batch_size"):
-    md.EpochIterator(_problems(2), batch_size=3)
+    mp.EpochIterator(_problems(2), batch_size=3)
   with pytest.raises(ValueError, match="duplicate uid"):
-    md.EpochIterator(_problems(2) + _problems(1), batch_size=1)
+    mp.EpochIterator(_problems(2) + _problems(1), batch_size=1)
 
 
 def test_iterator_refuses_a_reordered_file_and_an_old_state(tmp_path):
@@ -321,111 +324,29 @@ def test_iterator_refuses_a_reordered_file_and_an_old_state(tmp_path):
   uids `<stem>:<row>`, and a resumed run repeated some problems and skipped others."""
   rows = [{"problem": f"problem {i}", "answer": str(i)} for i in range(8)]
   path = _write_jsonl(tmp_path / "train.jsonl", rows)
-  it = md.EpochIterator(md.load_math_problems(path).items, batch_size=2, seed=0)
+  it = mp.EpochIterator(mp.load_math_problems(path).items, batch_size=2, seed=0)
   next(it)
   state = json.loads(json.dumps(it.state()))
   _write_jsonl(path, rows[::-1])
-  reordered = md.EpochIterator(md.load_math_problems(path).items, batch_size=2, seed=0)
+  reordered = mp.EpochIterator(mp.load_math_problems(path).items, batch_size=2, seed=0)
   with pytest.raises(ValueError, match="fingerprint"):
     reordered.restore(state)
   answers = [dict(r, answer="0") for r in rows]   # same uids and problems, other answers
-  relabelled = md.EpochIterator(md.load_math_problems(_write_jsonl(path, answers)).items,
+  relabelled = mp.EpochIterator(mp.load_math_problems(_write_jsonl(path, answers)).items,
                                 batch_size=2, seed=0)
   with pytest.raises(ValueError, match="fingerprint"):
     relabelled.restore(state)
-  same = md.EpochIterator(md.load_math_problems(_write_jsonl(path, rows)).items,
+  same = mp.EpochIterator(mp.load_math_problems(_write_jsonl(path, rows)).items,
                           batch_size=2, seed=0)
   same.restore(state)
   # A state from before (version 1: a fingerprint of the uids only) still resumes a run
   # across the upgrade, checked as it was then; over other uids it is refused.
-  old = dict(state, version=1, fingerprint=md._fingerprint_v1(same._items))
+  old = dict(state, version=1, fingerprint=mp._fingerprint_v1(same._items))
   same.restore(old)
   assert same.state()["position"] == state["position"]
-  other = md.EpochIterator(_problems(8, "q"), batch_size=2, seed=0)
+  other = mp.EpochIterator(_problems(8, "q"), batch_size=2, seed=0)
   with pytest.raises(ValueError, match="version 1.*uids differ"):
     other.restore(old)
-
-
-# ---------------------------------------------------------------------------- SFT rows
-
-
-def _tool_conversation():
-  return [
-      {"role": "system", "content": "You are helpful."},
-      {"role": "user", "content": "What is 123*456?"},
-      {"role": "assistant", "content": "<reason>compute</reason>",
-       "tool_calls": [{"name": "python", "arguments": {"code": "print(123*456)"}}]},
-      {"role": "tool", "content": "56088"},
-      {"role": "assistant", "content": None, "tool_calls": [
-          {"type": "function", "function": {"name": "python", "arguments": '{"code": "1"}'}}]},
-      {"role": "tool", "content": "1"},
-      {"role": "assistant", "content": "<answer>\\boxed{56088}</answer>"},
-  ]
-
-
-def test_sft_rows_load(tmp_path):
-  rows = [{"id": "c1", "messages": _tool_conversation(), "tools": [{"name": "python"}]},
-          {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                        {"role": "user", "content": "call"},
-                        {"role": "assistant", "content": '<tool_call>{"name": "python"}</tool_call>'},
-                        {"role": "tool", "content": "ok"},
-                        {"role": "assistant", "content": "done"}]}]
-  result = md.load_sft_examples(_write_jsonl(tmp_path / "sft.jsonl", rows))
-  first, second = result.items
-  assert first.uid == "c1" and first.meta["tools"] == [{"name": "python"}]
-  assert [m.role for m in first.messages] == ["system", "user", "assistant", "tool", "assistant",
-                                              "tool", "assistant"]
-  assert first.messages[2].tool_calls == (md.ToolCall("python", {"code": "print(123*456)"}),)
-  assert first.messages[4].content == "" and first.messages[4].tool_calls[0].arguments == {"code": "1"}
-  assert second.uid == "sft:2" and second.messages[-1].content == "done"
-  assert md.role_counts(result.items) == {"system": 1, "user": 3, "assistant": 6, "tool": 3}
-
-
-def _break(messages, index, **changes):
-  messages = [dict(m) for m in messages]
-  messages[index].update(changes)
-  return messages
-
-
-@pytest.mark.parametrize("messages, field, message", [
-    (_break(_tool_conversation(), 1, role="human"), "messages[1].role", "not one of"),
-    (_break(_tool_conversation(), 1, content=["parts"]), "messages[1].content", "must be a string"),
-    (_break(_tool_conversation(), 6, content=""), "messages[6].content", "empty assistant"),
-    (_break(_tool_conversation(), 1, role="system"), "messages[1].role", "only come first"),
-    (_break(_tool_conversation(), 3, role="assistant"), "messages[3].role", "no tool response"),
-    (_break(_tool_conversation(), 2, tool_calls=[{"name": "python", "arguments": "{bad"}]),
-     "messages[2].tool_calls[0].arguments", "not valid JSON"),
-    (_break(_tool_conversation(), 1, tool_calls=[]), "messages[1].tool_calls", "only assistant"),
-    (_break(_tool_conversation(), 1, weight=0), "messages[1]", "unknown key"),
-    ([{"role": "assistant", "content": "hi"}], "messages[0].role", "expected a user"),
-    ([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"},
-      {"role": "assistant", "content": "c"}], "messages[1].role", "without a pending tool call"),
-    (_tool_conversation()[:4], "messages[3]", "must end with an assistant"),
-    ([], "messages", "empty conversation"),
-    ("hello", "messages", "must be a list"),
-    # json.loads' ValueError / RecursionError escaped with no file or line, and unskipped.
-    (_break(_tool_conversation(), 2, tool_calls=[
-        {"name": "python", "arguments": '{"x": ' + "9" * 5000 + "}"}]),
-     "messages[2].tool_calls[0].arguments", "not valid JSON (ValueError"),
-    (_break(_tool_conversation(), 2, tool_calls=[
-        {"name": "python", "arguments": "[" * 50_000 + "]" * 50_000}]),
-     "messages[2].tool_calls[0].arguments", "not valid JSON (RecursionError"),
-])
-def test_sft_malformed_rows(tmp_path, messages, field, message):
-  good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-  path = _write_jsonl(tmp_path / "sft.jsonl", [good, {"messages": messages}])
-  with pytest.raises(md.DataError) as info:
-    md.load_sft_examples(path)
-  assert (info.value.row_error.row, info.value.row_error.field) == (2, field)
-  assert message in str(info.value) and "sft.jsonl, line 2" in str(info.value)
-  skipped = md.load_sft_examples(path, on_error="skip")
-  assert (len(skipped.items), skipped.num_skipped) == (1, 1)
-
-
-def test_sft_missing_messages(tmp_path):
-  path = _write_jsonl(tmp_path / "s.jsonl", [{"conversation": []}])
-  with pytest.raises(md.DataError, match="field 'messages': missing"):
-    md.load_sft_examples(path)
 
 
 def test_undecodable_and_truncated_files_are_named(tmp_path):
@@ -437,33 +358,33 @@ def test_undecodable_and_truncated_files_are_named(tmp_path):
   path.write_bytes(b"\xef\xbb\xbf" + good[0] + b"\n"
                    + '{"problem": "café", "answer": "1"}'.encode("latin-1") + b"\n"
                    + good[1] + b"\n" + good[2] + b"\n")
-  with pytest.raises(md.DataError, match=r"latin1.jsonl, line 2: not UTF-8 \(byte 0xe9"):
-    md.load_math_problems(path)
-  result = md.load_math_problems(path, on_error="skip")
+  with pytest.raises(DataError, match=r"latin1.jsonl, line 2: not UTF-8 \(byte 0xe9"):
+    mp.load_math_problems(path)
+  result = mp.load_math_problems(path, on_error="skip")
   assert [p.problem for p in result.items] == ["p0", "p1", "p2"] and result.num_skipped == 1
   huge = _write_jsonl(tmp_path / "huge.jsonl", [good[0].decode(),
                                                 '{"problem": "x", "answer": ' + "1" * 5000 + "}",
                                                 "[" * 100_000])
-  result = md.load_math_problems(huge, on_error="skip")   # a row each, not a traceback
+  result = mp.load_math_problems(huge, on_error="skip")   # a row each, not a traceback
   assert len(result.items) == 1 and [e.message[:30] for e in result.errors] == [
       "invalid JSON (ValueError: Exce", "invalid JSON (RecursionError: "]
 
   whole = gzip.compress(b"\n".join(good * 200) + b"\n")
   gz = tmp_path / "cut.jsonl.gz"
   gz.write_bytes(whole[: len(whole) // 2])
-  with pytest.raises(md.DataError, match=r"cut.jsonl.gz: corrupt or truncated after line"):
-    md.load_math_problems(gz, on_error="skip")
+  with pytest.raises(DataError, match=r"cut.jsonl.gz: corrupt or truncated after line"):
+    mp.load_math_problems(gz, on_error="skip")
 
   js = tmp_path / "rows.json"
   js.write_bytes(b'[{"problem": "caf\xe9", "answer": "1"}]')
-  with pytest.raises(md.DataError, match=r"rows.json: not UTF-8 \(byte 0xe9"):
-    md.load_math_problems(js)
+  with pytest.raises(DataError, match=r"rows.json: not UTF-8 \(byte 0xe9"):
+    mp.load_math_problems(js)
 
   pq_path = tmp_path / "cut.parquet"
   pq.write_table(pa.table({"problem": ["p"] * 100, "answer": ["1"] * 100}), pq_path)
   pq_path.write_bytes(pq_path.read_bytes()[:-20])
-  with pytest.raises(md.DataError, match=r"cut.parquet: corrupt or truncated Parquet"):
-    md.load_math_problems(pq_path, on_error="skip")
+  with pytest.raises(DataError, match=r"cut.parquet: corrupt or truncated Parquet"):
+    mp.load_math_problems(pq_path, on_error="skip")
 
 
 def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_load(tmp_path):
@@ -476,12 +397,12 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   a = _write_jsonl((tmp_path / "aime24").mkdir() or tmp_path / "aime24" / "test.jsonl", rows)
   b = _write_jsonl((tmp_path / "aime25").mkdir() or tmp_path / "aime25" / "test.jsonl", rows)
   c = _write_jsonl(tmp_path / "other.jsonl", rows)
-  uids = [p.uid for p in md.load_math_problems([a, b, c]).items]
+  uids = [p.uid for p in mp.load_math_problems([a, b, c]).items]
   assert uids == ["aime24/test:1", "aime24/test:2", "aime25/test:1", "aime25/test:2",
                   "other:1", "other:2"]
-  assert [p.uid for p in md.load_math_problems(a).items] == ["test:1", "test:2"]   # as before
+  assert [p.uid for p in mp.load_math_problems(a).items] == ["test:1", "test:2"]   # as before
   pq.write_table(pa.table({"problem": ["q9"], "answer": ["9"]}), tmp_path / "other.parquet")
-  assert [p.uid for p in md.load_math_problems([c, tmp_path / "other.parquet"]).items] == [
+  assert [p.uid for p in mp.load_math_problems([c, tmp_path / "other.parquet"]).items] == [
       "other.jsonl:1", "other.jsonl:2", "other.parquet:1"]
   _, evals = sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(a), str(b))),
                                    seed=0)
@@ -489,7 +410,7 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   with_ids = [dict(r, id=i) for i, r in enumerate(rows)]
   x = _write_jsonl(tmp_path / "x.jsonl", with_ids)
   y = _write_jsonl(tmp_path / "y.jsonl", with_ids)
-  with pytest.raises(md.DataError, match=r"x.jsonl, .*y.jsonl: evaluation problems: 2 duplicate "
+  with pytest.raises(DataError, match=r"x.jsonl, .*y.jsonl: evaluation problems: 2 duplicate "
                                          r"uid\(s\), e.g. '0' \(items 0 and 2\)"):
     sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(x), str(y))), seed=0)
 
@@ -513,20 +434,20 @@ def test_training_files_numbered_from_zero_each_get_file_prefixed_uids(tmp_path)
       "dapo:0", "dapo:1", "dapo:2", "deepscaler:0", "deepscaler:1", "deepscaler:2",
       "deepscaler:3", "2024-I-1"]
   assert train[0].meta["extra_info"] == {"index": 0}   # the row's own id is kept
-  md.EpochIterator(train, batch_size=2)
+  mp.EpochIterator(train, batch_size=2)
   assert [p.uid for p in _train(dapo)] == ["0", "1", "2"]   # one file: unchanged
   # The eval files keep refusing shared ids (test above); the plain loader leaves them.
-  assert [p.uid for p in md.load_math_problems([dapo, deepscaler]).items][:4] == [
+  assert [p.uid for p in mp.load_math_problems([dapo, deepscaler]).items][:4] == [
       "0", "1", "2", "0"]
 
 
 def test_a_duplicate_id_in_one_file_names_both_rows(tmp_path):
   rows = [_verl_row("first", "1", 0), _verl_row("second", "2", 1), _verl_row("third", "3", 0)]
   path = _write_jsonl(tmp_path / "t.jsonl", rows)
-  with pytest.raises(md.DataError, match=r"t.jsonl, line 3, field 'extra_info.index': duplicate "
+  with pytest.raises(DataError, match=r"t.jsonl, line 3, field 'extra_info.index': duplicate "
                                          r"id '0': line 1 has it for another problem"):
     _train(path)
-  result = md.load_math_problems(path, on_error="skip")
+  result = mp.load_math_problems(path, on_error="skip")
   assert [p.problem for p in result.items] == ["first", "second"] and result.num_skipped == 1
   # A repeated copy of a problem (DAPO-Math-17k repeats each one) is no clash: deduplicated.
   copies = _write_jsonl(tmp_path / "c.jsonl", [_verl_row("same", "1", 0)] * 3)
@@ -538,6 +459,6 @@ def test_training_uids_that_still_clash_are_refused_at_load(tmp_path):
   a = _write_jsonl(tmp_path / "a.jsonl", [{"problem": "p", "answer": "1"},
                                           {"id": 1, "problem": "q", "answer": "2"}])
   b = _write_jsonl(tmp_path / "b.jsonl", [{"id": 1, "problem": "r", "answer": "3"}])
-  with pytest.raises(md.DataError, match=r"a.jsonl, .*b.jsonl: training problems: 1 duplicate "
+  with pytest.raises(DataError, match=r"a.jsonl, .*b.jsonl: training problems: 1 duplicate "
                                          r"uid\(s\), e.g. 'a:1'"):
     _train(a, b)
