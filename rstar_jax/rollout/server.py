@@ -72,8 +72,7 @@ from aiohttp import web
 from rstar_jax import compile_cache
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine, settle_future
-
-SGLANG_API_VERSION = "0.5.23"
+from rstar_jax.rollout.sglang_wire import SGLANG_VERSION as SGLANG_API_VERSION  # the one pin
 log = logging.getLogger("rstar_jax.rollout.server")
 
 # SGLang 0.5.23's SamplingParams schema (sglang/api/v1/api_types.py, "unknown keys

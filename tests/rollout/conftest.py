@@ -40,7 +40,7 @@ import pytest
 
 from sandbox.launcher import free_port  # noqa: F401  (test_sglang_engine imports it from here)
 
-SGLANG_VERSION = "0.5.23"
+from rstar_jax.rollout.sglang_wire import SGLANG_VERSION  # the one pin
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
            "sglang/srt/entrypoints/http_server.py", "sglang/srt/entrypoints/v1_loads.py",
