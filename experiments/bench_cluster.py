@@ -84,7 +84,7 @@ async def _throughput(urls, n: int) -> float:
 def main(argv):
   del argv
   import ray
-  from rstar_jax import cluster
+  from rstar_jax.recipe import cluster
   load0 = os.getloadavg()
   print(f"load average before: {load0}")
   rows = {"1x8": [], "2x4": []}

@@ -33,7 +33,8 @@ import numpy as np
 
 from experiments import results_json, roofline
 from experiments.configs import toy
-from rstar_jax import optim, recipe
+from rstar_jax import optim
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.model import qwen3
 from rstar_jax.rl import losses
 from rstar_jax.rl import train_step as ts

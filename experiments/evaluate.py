@@ -61,7 +61,7 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   import contextlib
   import dataclasses
 
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   from rstar_jax.eval import benchmarks, suite
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import backends, chat
@@ -121,7 +121,7 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
 
 def main(argv):
   del argv
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   if _SUITE.value is not None:
     if _HF_DIR.value is None:
       raise config_utils.ConfigError("--suite evaluates a checkpoint: give --hf_dir")

@@ -1,6 +1,6 @@
 r"""python -m experiments.launch_cluster --config experiments/configs/cluster_toy.py --config.cluster.rollout_hf_dir=/tmp/rstar_toy/sft/export
 
-Starts the fleet of `config.cluster` (rstar_jax.cluster.ClusterConfig) on Ray - sandbox
+Starts the fleet of `config.cluster` (rstar_jax.recipe.cluster.ClusterConfig) on Ray - sandbox
 servers, rollout servers (ours or SGLang), the trainer processes - hands the servers'
 URLs and the multi-process settings to the trainer, restarts a server that dies, and
 supervises the trainer job: when one of its processes dies, all are stopped and the job
@@ -32,7 +32,7 @@ def main(argv):
     import ray  # noqa: F401
   except ImportError:
     raise config_utils.ConfigError("Ray is not installed: pip install -r requirements-cluster.txt") from None
-  from rstar_jax import cluster
+  from rstar_jax.recipe import cluster
   extra = set(_CONFIG.value) - {"cluster"}
   if extra:
     raise config_utils.ConfigError(f"--config: unknown section(s) {sorted(extra)}; a launch "

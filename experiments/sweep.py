@@ -32,7 +32,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from rstar_jax import config_utils
-from rstar_jax import sweep
+from rstar_jax.recipe import sweep
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "config file (path[:variant]), passed to every point unchanged",
@@ -88,7 +88,7 @@ def _main(argv):
   sweep.check_shared(base, _CHILD_ARGS.value, overrides)
   build = None
   if _MODULE.value in _RECIPE_MODULES:
-    from rstar_jax import recipe
+    from rstar_jax.recipe import stages as recipe
     build = recipe.build_config
   sweep.validate(overrides, config, build=build)
   base = {**sweep.shared_overrides(config, base, overrides, _WORKDIR.value), **base}

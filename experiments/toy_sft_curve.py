@@ -42,7 +42,7 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   from rstar_jax.data import toy_task
 
   import dataclasses

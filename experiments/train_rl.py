@@ -16,7 +16,7 @@ _STAGE = flags.DEFINE_list("stage", ["stage1"], "RL stage(s) to run: stage1,stag
 
 def main(argv):
   del argv
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   bad = set(_STAGE.value) - set(recipe.RL_STAGES)
   if bad:
     raise config_utils.ConfigError(f"--stage: unknown {sorted(bad)}; known {recipe.RL_STAGES}")

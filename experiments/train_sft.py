@@ -12,7 +12,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config
 
 def main(argv):
   del argv
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   recipe.run(_CONFIG.value, stages=["sft"])
 
 

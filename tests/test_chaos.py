@@ -29,7 +29,7 @@ def _alive(pid):
 def test_a_fleet_under_a_kill_schedule_finishes_with_the_uninterrupted_metrics(
     recipe_dir, straight_rl, tmp_path):
   ray = pytest.importorskip("ray")
-  from rstar_jax import cluster
+  from rstar_jax.recipe import cluster
   d = _copy_sft(recipe_dir[0], tmp_path / "chaos")
   cfg = cluster.ClusterConfig(
       sandbox_servers=2, sandbox_cpus=0.25, rollout_servers=2, rollout_cpus=0.25,

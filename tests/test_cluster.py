@@ -1,11 +1,11 @@
-"""rstar_jax.cluster: the launch config's checks, the commands it builds, and stopping a
+"""rstar_jax.recipe.cluster: the launch config's checks, the commands it builds, and stopping a
 fleet on a real local Ray (the whole fleet runs an RL stage in tests/test_recipe.py)."""
 import ast
 import os
 
 import pytest
 
-from rstar_jax import cluster
+from rstar_jax.recipe import cluster
 
 
 def test_config_checks_name_the_field():

@@ -13,7 +13,8 @@ import typing
 
 import pytest
 
-from rstar_jax import config_utils, recipe
+from rstar_jax import config_utils
+from rstar_jax.recipe import stages as recipe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")

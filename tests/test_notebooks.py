@@ -1,6 +1,6 @@
 """The notebooks (notebooks/*.ipynb) run headless with papermill on tiny inputs built
 here: each has a cell tagged `parameters` that papermill overrides, and any error in
-any cell fails the test. Inputs: a sweep directory written through rstar_jax.sweep's
+any cell fails the test. Inputs: a sweep directory written through rstar_jax.recipe.sweep's
 own writers (01), a random tiny toy policy with toy traces (02, 04), and the JSON of
 the three benchmarks run at tiny sizes (03)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import nbformat
 import numpy as np
 import pytest
 
-from rstar_jax import sweep
+from rstar_jax.recipe import sweep
 from tests import toy_fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

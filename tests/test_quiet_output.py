@@ -158,7 +158,8 @@ def test_validation_errors_name_the_field_and_the_rule(where, values, message):
   """Each bad value, set in the smoke config as a user would (--config.<where>.<k>=v),
   is refused naming its section, its field, the rule and the value."""
   from experiments.configs import toy
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   config = toy.get_config("smoke")
   node = config
   for part in where.split("."):

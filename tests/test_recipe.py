@@ -68,7 +68,7 @@ def test_two_step_recipe_end_to_end(recipe_dir):
   assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]   # SFT learns something
   # The export renders our protocol through transformers' chat template.
   import transformers
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import chat
   export = os.path.join(workdir, "stage1", "export")
@@ -134,7 +134,8 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   test hung when process 1 refused it and left process 0 waiting at the barrier.)"""
   import dataclasses
   from experiments.configs import toy
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
   cfg = recipe.build_config(c)
@@ -178,7 +179,8 @@ def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
   other settings (or fail to restore it), so it is refused as for a finished stage."""
   import dataclasses
   from experiments.configs import toy
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
   cfg = recipe.build_config(c)
@@ -195,7 +197,7 @@ def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
 
 def test_an_evaluation_with_other_results_keeps_the_previous_report(tmp_path):
   """Re-evaluating with another eval.k (or another model) must not lose the old report."""
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   path, samples = str(tmp_path / "eval_final.json"), str(tmp_path / "eval_final_samples.jsonl")
   recipe._keep_previous_report(path, samples, '{"k": 2}')   # nothing there yet
   assert os.listdir(tmp_path) == []
@@ -395,7 +397,7 @@ def test_rl_stage_on_a_ray_fleet_survives_a_killed_sandbox_server(recipe_dir, st
   step. Its actor restarts it on the same URL, the calls it held run again elsewhere,
   and the stage's metrics equal the in-process run's: no call lost."""
   import ray
-  from rstar_jax import cluster
+  from rstar_jax.recipe import cluster
   d = _copy_sft(recipe_dir[0], tmp_path / "fleet")
   cfg = cluster.ClusterConfig(
       sandbox_servers=2, sandbox_cpus=0.5, rollout_servers=1, rollout_cpus=0.5,
@@ -608,7 +610,7 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
   seed or model), shared by every stage, and written in place (a torn file failed
   every later run)."""
   import types
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   from rstar_jax.data.math_problems import MathProblem
   from rstar_jax.rollout.agent_loop import AgentConfig
   problems = [MathProblem(f"p{i}", "q", "1", "t") for i in range(6)]
@@ -641,7 +643,8 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
 
 def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):
   from experiments.configs import toy
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path / "run")
   with pytest.raises(config_utils.ConfigError, match=r"stages: unknown \['bogus'\]"):
@@ -681,7 +684,7 @@ def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(r
   resumed at its last step writes DONE.json with its final rollout stats (they were
   empty: no step ran here); (3) a stage whose predecessor trained but left no checkpoint
   is refused instead of starting with a fresh Adam without a word."""
-  from rstar_jax import recipe
+  from rstar_jax.recipe import stages as recipe
   d = str(tmp_path / "copy")
   shutil.copytree(recipe_dir[0], d, ignore=shutil.ignore_patterns("compile_cache"))
   _share_compile_cache(recipe_dir[0], d)

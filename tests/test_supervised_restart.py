@@ -16,7 +16,7 @@ from tests.test_recipe import (REPO, RL_ARGS, SMOKE, _assert_same_metrics, _copy
 def test_a_killed_trainer_is_restarted_by_the_supervisor_and_matches_uninterrupted(
     recipe_dir, straight_rl, tmp_path):
   ray = pytest.importorskip("ray")
-  from rstar_jax import cluster
+  from rstar_jax.recipe import cluster
   d = _copy_sft(recipe_dir[0], tmp_path / "supervised")
   cfg = cluster.ClusterConfig(
       sandbox_servers=0, rollout_servers=0, trainer_processes=1, trainer_cpus=1.0,

@@ -1,4 +1,4 @@
-"""The sweep runner (rstar_jax/sweep.py, experiments/sweep.py).
+"""The sweep runner (rstar_jax/recipe/sweep.py, experiments/sweep.py).
 
 Child runs are a tiny fake module written into tmp_path (absl + config_flags, like the
 real entry points): it writes eval_final.json and RL metrics from its overrides, or
@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rstar_jax import sweep
+from rstar_jax.recipe import sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ sandbox_servers=4, rollout_servers=32 (backend sglang, 1 GPU each), trainer_proc
 """
 import ml_collections
 
-from rstar_jax import cluster
+from rstar_jax.recipe import cluster
 from rstar_jax import config_utils as cu
 
 

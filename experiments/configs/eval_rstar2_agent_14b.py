@@ -13,7 +13,7 @@ config.data and config.tokenizer are not used by --suite: the benchmarks come fr
 """
 from experiments.configs import rstar2_agent_14b
 from rstar_jax import config_utils as cu
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.eval import suite
 
 

@@ -11,7 +11,7 @@ JAX_PROCESS_ID; under SLURM nothing), with rollouts on SGLang servers
 `python -m experiments.launch_cluster` start the whole fleet (docs/guides/cluster.md).
 """
 from rstar_jax import config_utils as cu
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 
 
 def get_config():

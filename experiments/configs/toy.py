@@ -16,7 +16,7 @@ Variants (`--config experiments/configs/toy.py:VARIANT`):
           tests/test_recipe.py runs).
 """
 from rstar_jax import config_utils as cu
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.data import toy_task
 
 

@@ -269,7 +269,8 @@ def test_csv_rows_a_bom_and_a_row_with_too_many_cells(tmp_path):
 
 
 def test_the_14b_eval_config_builds_with_the_report_protocol():
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   c = config_utils._load_config_file(
       os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs",
                    "eval_rstar2_agent_14b.py"))

@@ -104,7 +104,8 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
   """kind 'files' with train_files only was accepted; the eval stage then failed on no
   records, and with eval.after_sft every rerun failed again before reaching RL."""
   from experiments.configs import toy
-  from rstar_jax import config_utils, recipe
+  from rstar_jax import config_utils
+  from rstar_jax.recipe import stages as recipe
   c = toy.get_config("smoke")
   c.data.kind, c.data.train_files = "files", ("train.jsonl",)
   c.eval.after_sft = True

@@ -3,7 +3,7 @@ that answer every call with "1" (the tiny random policy rarely writes one)."""
 import pytest
 
 from experiments.configs import toy
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.rollout import backends
 
 

@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from rstar_jax import optim, recipe
+from rstar_jax import optim
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io
 from rstar_jax.rl import advantages as adv_lib

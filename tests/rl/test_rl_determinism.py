@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import toy
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import backends

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.rl import trainer as rl_trainer
 
 

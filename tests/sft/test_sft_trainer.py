@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from experiments.configs import toy
-from rstar_jax import recipe
+from rstar_jax.recipe import stages as recipe
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 

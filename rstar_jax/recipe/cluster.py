@@ -26,7 +26,7 @@ import time
 import urllib.request
 from typing import Any, Mapping, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROLLOUT_BACKENDS = ("server", "sglang")
 
 
