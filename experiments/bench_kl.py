@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import platform
 import statistics
-import subprocess
 import time
 from typing import Sequence
 
@@ -36,7 +34,6 @@ from experiments.configs import toy
 from rstar_jax import optim
 from rstar_jax.recipe import stages as recipe
 from rstar_jax.model import qwen3
-from rstar_jax.rl import losses
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
 
@@ -47,25 +44,6 @@ flags.DEFINE_string("json", "", "write the figures here")
 FLAGS = flags.FLAGS
 
 GB = 1e9
-
-
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def _bytes(tree) -> int:
@@ -151,7 +129,7 @@ def main(argv: Sequence[str]) -> None:
   med_off, med_on = statistics.median(t_off), statistics.median(t_on)
   result = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "commit": _commit(), "cpu": _cpu_model(), "devices": str(jax.devices()),
+      "commit": results_json.commit(), "cpu": results_json.cpu_model(), "devices": str(jax.devices()),
       "variant": FLAGS.variant or "toy", "params": qcfg.num_params, "rows": rows,
       "seq": FLAGS.seq, "matmul_peak_gflops": peak,
       "state_bytes": state_bytes, "reference_bytes": ref_bytes,
