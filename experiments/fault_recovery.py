@@ -114,9 +114,14 @@ def _ray_init(extra_path: str = "", env_vars: dict | None = None):
 # ---- 1. servers -----------------------------------------------------------------------
 def part_servers(root: str, repeats: int) -> dict:
   import ray
-  from experiments.bench_cluster import _tiny_checkpoint
   from rstar_jax import cluster
-  hf = _tiny_checkpoint(root)
+  from rstar_jax.model import config as model_config, hf_io, qwen3
+  # A random tiny checkpoint (as experiments/bench_cluster.py's; that module's flags
+  # cannot be imported beside these).
+  hf = os.path.join(root, "tiny_hf")
+  hf_io.save_hf(qwen3.create_model(model_config.get_preset(
+      "tiny", hidden_size=64, intermediate_size=128, head_dim=16, num_hidden_layers=2,
+      vocab_size=512), seed=0), hf, dtype="float32")
   _ray_init()
   cfg = cluster.ClusterConfig(sandbox_servers=1, sandbox_cpus=0.5, rollout_servers=1,
                               rollout_cpus=0.5, rollout_hf_dir=hf, trainer_processes=0,
