@@ -21,8 +21,6 @@ journals, and writes <workdir>/suite/: per benchmark <name>.json, <name>.result.
 trajectories finished so far are in the journal); the same command resumes it.
 """
 import os
-import signal
-import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -42,18 +40,6 @@ _BENCHMARKS = flags.DEFINE_list("benchmarks", [],
 _PROTOCOL = flags.DEFINE_enum("protocol", "report", ["report", "config", "greedy"],
                               "with --suite: the report's sampling protocol, config.eval as "
                               "given (not greedy), or greedy decoding asked for by name")
-
-
-_STOPPED_BY = [signal.SIGINT]
-
-
-def _stop_on_sigterm():
-  # SIGTERM as Ctrl-C: the collector's finally closes the journal and the progress bar,
-  # the trajectories in flight are dropped (a rerun samples them with their own seeds).
-  def handler(signum, frame):
-    _STOPPED_BY[0] = signum
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-  signal.signal(signal.SIGTERM, handler)
 
 
 def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
@@ -121,20 +107,21 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
 
 def main(argv):
   del argv
+  from rstar_jax.train import interrupt
+  # The recipe's mechanism, for every evaluation run here: SIGINT / SIGTERM / SIGUSR2 stop
+  # a journaled collection at its next finished trajectory (rl.rollouts.collect raises
+  # interrupt.Interrupted; config_utils.run ends with one line and exit 128 + signal).
+  with interrupt.StopRequests():
+    _main()
+
+
+def _main():
   from rstar_jax.recipe import stages as recipe
   if _SUITE.value is not None:
     if _HF_DIR.value is None:
       raise config_utils.ConfigError("--suite evaluates a checkpoint: give --hf_dir")
-    _stop_on_sigterm()
-    try:
-      result = run_suite(_CONFIG.value, os.path.abspath(_HF_DIR.value),
-                         benchmark_spec=_BENCHMARKS.value, protocol=_PROTOCOL.value)
-    except KeyboardInterrupt:
-      signum = _STOPPED_BY[0]
-      print(f"evaluation stopped by {signal.Signals(signum).name}; the finished trajectories "
-            "are in <workdir>/suite/<benchmark>.journal.jsonl: run the same command again to "
-            "resume", file=sys.stderr)
-      sys.exit(128 + signum)
+    result = run_suite(_CONFIG.value, os.path.abspath(_HF_DIR.value),
+                       benchmark_spec=_BENCHMARKS.value, protocol=_PROTOCOL.value)
     print(result.markdown())
     return
   if _BENCHMARKS.value or _PROTOCOL.present:

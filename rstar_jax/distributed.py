@@ -185,11 +185,18 @@ def on_main(fn: Callable[[], Any], what: str) -> Any:
       result = fn()
     except BaseException as e:  # noqa: BLE001 - an interrupt too: the others must not wait
       error = e
-  shared = share_from_main(("error", f"{type(error).__name__}: {error}")
+  # A stop on a signal (`interrupt.Interrupted`: an evaluation stopped at a finished
+  # trajectory) stops every process the same way, with the same exit status.
+  signum = getattr(error, "signum", None) if type(error).__name__ == "Interrupted" else None
+  shared = share_from_main(("error", f"{type(error).__name__}: {error}", signum)
                            if error is not None else ("ok", result))
   if error is not None:
     raise error
   if shared[0] == "error":
+    if shared[2] is not None:
+      from rstar_jax.train import interrupt
+      raise interrupt.Interrupted(shared[2], after=f"{what} (process 0: {shared[1]})",
+                                  saved="process 0 saved what it finished")
     raise RuntimeError(f"{what}: process 0 failed ({shared[1]})")
   return shared[1]
 

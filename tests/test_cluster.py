@@ -180,6 +180,10 @@ if os.path.exists(ckpt):
   print("resumed FAKE from %s at step %d" % (ckpt, step), flush=True)
 open(os.path.join(work, "pid%d" % idx), "w").write(str(os.getpid()))
 while step < 12:
+  # Past step 6 only once the test has killed its victim: on a loaded host process 0
+  # (started first) could otherwise finish all 12 steps before process 1 reached step 3.
+  while step == 6 and not os.path.exists(os.path.join(work, "go")):
+    time.sleep(0.05)
   time.sleep(0.15)
   acc = hashlib.sha256(("%s/%d" % (acc, step)).encode()).hexdigest()
   step += 1
@@ -205,7 +209,6 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
   max_restarts; a config error (exit 2) is not restarted at all."""
   ray = pytest.importorskip("ray")
   import signal
-  import time
   (tmp_path / "fake_trainer.py").write_text(_RESUMING_TRAINER)
   work = tmp_path / "work"
   work.mkdir()
@@ -226,11 +229,12 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
               "process 1's third step")
         result["pid0"] = int((work / "pid0").read_text())
         os.kill(int((work / "pid1").read_text()), signal.SIGKILL)
+        (work / "go").write_text("")
 
       import threading
       killer = threading.Thread(target=kill_second_mid_run)
       killer.start()
-      codes = fleet.run_trainers(timeout=120)
+      codes = fleet.run_trainers()
       killer.join()
     finally:
       fleet.shutdown()
@@ -238,7 +242,7 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     assert len(fleet.restarts) == 1, fleet.restarts
     r = fleet.restarts[0]
     assert r["cause"] == "trainer 1 killed by SIGKILL (kill -9, or the kernel's OOM killer)", r
-    assert 3 <= r["resumed_step"] < 12, r
+    assert 3 <= r["resumed_step"] <= 6, r
     assert int((work / "pid0").read_text()) != result["pid0"]   # process 0 was restarted too
     for idx in (0, 1):
       assert (work / f"final{idx}").read_text() == _uninterrupted(idx)
@@ -250,7 +254,7 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     (work / "always_fail").write_text("1")
     fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
     try:
-      codes = fleet.run_trainers(timeout=120)
+      codes = fleet.run_trainers()
     finally:
       fleet.shutdown()
     assert codes == [1] and [r["backoff_s"] for r in fleet.restarts] == [0.2, 0.4]
@@ -259,7 +263,7 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     (work / "always_fail").write_text("2")
     fleet = cluster.Cluster(cluster.ClusterConfig(**{**cfg, "trainer_processes": 1}))
     try:
-      codes = fleet.run_trainers(timeout=120)
+      codes = fleet.run_trainers()
     finally:
       fleet.shutdown()
     assert codes == [2] and fleet.restarts == []

@@ -5,6 +5,7 @@ Each job is real processes running tests/multihost_worker.py: the sharded GRPO s
 restored by the other, and the streamed HF export.
 """
 import os
+import signal
 import subprocess
 import sys
 
@@ -130,6 +131,17 @@ except ZeroDivisionError:
 except RuntimeError as e:
   print("raised", e)
 d.barrier("after the failed block")
+# Stopped by a signal there (an evaluation at a finished trajectory): every process stops
+# the same way, with the signal's exit status, not as a failure the supervisor restarts.
+import signal
+from rstar_jax.train import interrupt
+def stopped():
+  raise interrupt.Interrupted(signal.SIGTERM, after="3 of 8 trajectories of final")
+try:
+  d.on_main(stopped, "evaluation final")
+except interrupt.Interrupted as e:
+  print("interrupted by", e.signum)
+d.barrier("after the stopped block")
 print("done")
 """
 
@@ -158,3 +170,4 @@ def test_a_process_busy_past_gloos_30_s_does_not_break_the_next_collective(pytes
   assert "raised ZeroDivisionError" in logs[0]
   assert ("raised a block of process 0: process 0 failed (ZeroDivisionError: division by "
           "zero)") in logs[1], logs[1][-2000:]
+  assert all(f"interrupted by {int(signal.SIGTERM)}" in log for log in logs), logs

@@ -641,6 +641,67 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
   assert calls == [2, 3, 3, 3, 3]
 
 
+# Stage 3 on its hard subset (the filter: 16 problems x 2 = 32 rollouts), one RL step,
+# then the final evaluation (4 problems x 8 = 32 trajectories), from the shared SFT.
+HARD_EVAL_ARGS = ("--stages=stage3,eval", "--config.stage3.num_steps=1",
+                  "--config.stage3.hard_only=True", "--config.stage3.hard_k=2",
+                  "--config.stage3.hard_pool=16", "--config.stage3.agent.max_response_tokens=48",
+                  "--config.rl.prompts_per_step=2", "--config.eval.k=8",
+                  "--config.rollout.engine.num_slots=4")
+
+
+def _signal_once_journaled(workdir, journal, sig, lines=3):
+  """Runs the stage-3-and-eval recipe; sends `sig` once `journal` holds `lines` lines
+  (its header and finished trajectories). Returns (return code, output, journaled
+  trajectories after the stop)."""
+  proc = _run(workdir, *HARD_EVAL_ARGS, wait=False)
+  while proc.poll() is None:
+    if os.path.exists(journal) and len(open(journal).read().splitlines()) >= lines:
+      proc.send_signal(sig)
+      break
+    time.sleep(0.05)
+  out = proc.communicate(timeout=500)[0]
+  kept = len(_metrics(journal)) - 1 if os.path.exists(journal) else None
+  return proc.returncode, out, kept
+
+
+def test_a_signal_stops_the_filter_and_the_evaluation_and_reruns_resume_to_the_same_result(
+    recipe_dir, tmp_path):
+  """SIGTERM in the stage-3 filter, SIGINT in the final evaluation: each run stops at a
+  finished trajectory (the journal holds part of the work, nothing is reported), and the
+  reruns resume from the journals to what an uninterrupted run gives, file for file."""
+  whole = _copy_sft(recipe_dir[0], tmp_path / "whole")
+  _run(whole, *HARD_EVAL_ARGS)
+  d = _copy_sft(recipe_dir[0], tmp_path / "cut")
+  hard = os.path.join(d, "stage3", "hard_subset.json")
+  code, out, kept = _signal_once_journaled(d, hard[:-len(".json")] + ".journal.jsonl",
+                                           signal.SIGTERM)
+  assert code == 128 + signal.SIGTERM, out[-3000:]
+  assert "stopped by SIGTERM after" in out and "trajectories of stage3 filter" in out, out[-3000:]
+  assert "run the same command again to resume" in out
+  assert 0 < kept < 32 and not os.path.exists(hard)
+  assert not os.path.exists(os.path.join(d, "stage3", "checkpoints"))   # stopped before RL
+  journal = os.path.join(d, "eval_final.journal.jsonl")
+  code, out, kept_eval = _signal_once_journaled(d, journal, signal.SIGINT)
+  assert code == 128 + signal.SIGINT, out[-3000:]
+  assert f"{kept} of 32 trajectories from" in out   # the filter resumed from its journal
+  assert "trajectories of final" in out and os.path.exists(os.path.join(d, "stage3", "DONE.json"))
+  assert 0 < kept_eval < 32 and not os.path.exists(os.path.join(d, "eval_final.json"))
+  out = _run(d, *HARD_EVAL_ARGS)
+  assert f"{kept_eval} of 32 trajectories from" in out and "stage3: already done" in out
+  assert not os.path.exists(journal)
+  assert json.load(open(hard)) == json.load(open(os.path.join(whole, "stage3", "hard_subset.json")))
+  assert json.load(open(hard))["uids"]   # a subset to train on: the step below ran on it
+  a = _metrics(os.path.join(whole, "stage3", "metrics_rl.jsonl"))
+  b = _metrics(os.path.join(d, "stage3", "metrics_rl.jsonl"))
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+  assert strip(a) == strip(b) and len(a) == 1
+  assert (json.load(open(os.path.join(whole, "eval_final.json")))
+          == json.load(open(os.path.join(d, "eval_final.json"))))
+  assert (_metrics(os.path.join(whole, "eval_final_samples.jsonl"))
+          == _metrics(os.path.join(d, "eval_final_samples.jsonl")))
+
+
 def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):
   from experiments.configs import toy
   from rstar_jax import config_utils

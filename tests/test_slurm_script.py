@@ -12,6 +12,8 @@ import stat
 import subprocess
 import time
 
+from tests import procs
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "slurm", "rstar2_14b.sbatch")
 
@@ -98,14 +100,6 @@ def _wait_for(mark, text, proc, timeout=30.0):
   raise AssertionError(f"no {text!r}; mark: {mark.read_text()}\nscript: {proc.communicate()[0]}")
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   proc, mark = _launch(tmp_path)
   _wait_for(mark, "trainer started", proc)
@@ -127,10 +121,7 @@ def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   assert "stopping the trainer" in out and "trainer exited 140" in out
   pids = [int(p) for p in (tmp_path / "mark.pids").read_text().split()]
   assert len(pids) == 4 + 8 + 1
-  deadline = time.monotonic() + 10
-  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not [p for p in pids if _alive(p)], "servers left running"
+  assert not procs.left_running(pids, wait_s=10), "servers left running"
 
 
 def test_a_trainer_that_finishes_is_not_requeued(tmp_path):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from rstar_jax.recipe import sweep
+from tests import procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -372,15 +373,6 @@ def _wait_for(cond, what, timeout=120.0):
     time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-  """The process exists and is not a zombie."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
 def _running_points(root, n=2):
   """The pids of the n points that are running (inside their StopRequests)."""
   pids = {}
@@ -434,7 +426,7 @@ def test_a_signal_stops_the_running_points_writes_tables_and_a_rerun_resumes(sto
   assert rc == 128 + signum, stdout + stderr
   assert f"[sweep] {name} received: sent to the 2 running point(s)" in stdout, stdout
   assert f"sweep stopped by {name}" in stderr and "Ctrl-C again" not in stdout + stderr
-  assert not any(_alive(p) for p in pids.values())
+  assert not any(procs.alive(p) for p in pids.values())
   manifest = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}
   stopped = sorted(pids)
   queued = sorted(set(manifest) - set(pids))
@@ -473,7 +465,7 @@ def test_a_killed_sweep_leaves_no_orphan(stoppable):
   pids = _running_points(root)
   proc.kill()
   proc.wait()
-  _wait_for(lambda: not any(_alive(p) for p in pids.values()), "the points to stop")
+  _wait_for(lambda: not any(procs.alive(p) for p in pids.values()), "the points to stop")
   for n in pids:
     assert json.load(open(root / n / "ckpt.json"))["step"] > 0
     assert "stopped by SIGTERM" in open(root / n / "sweep.log").read()

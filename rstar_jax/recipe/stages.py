@@ -462,7 +462,8 @@ def _read_json(path: str) -> dict | None:
 def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
               made_with: dict) -> list[str]:
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
-  # Resumable (8 rollouts of every training problem: many hours at 14B).
+  # Resumable (8 rollouts of every training problem: many hours at 14B); a signal stops
+  # it at the next finished rollout.
   journal = cache[:-len(".json")] + ".journal.jsonl"
   groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
                             k=stage_cfg.hard_k, agent=stage_cfg.agent,
@@ -603,8 +604,9 @@ def _dir_stamp(path: str) -> list:
 
 def _evaluate(ctx: Context, engines, name: str, source: str):
   e = ctx.config.eval
-  # An evaluation killed part-way resumes from its journal if the model and the settings
-  # are the ones it was written with (hours at 14B).
+  # An evaluation killed part-way, or stopped by a signal at a trajectory's end, resumes
+  # from its journal if the model and the settings are the ones it was written with
+  # (hours at 14B).
   journal = os.path.join(ctx.workdir, f"eval_{name}.journal.jsonl")
   key = _eval_key(ctx, name, source)
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
@@ -804,7 +806,10 @@ def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, An
 
 def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
                 stop: interrupt.StopRequests):
-  """The stages in `todo`; a signal stops the run after the stage in flight."""
+  """The stages in `todo`; a signal stops the run after the stage in flight, or, in an
+  evaluation or the stage-3 filter (hours at 14B), at its next finished trajectory: the
+  journaled collection raises `interrupt.Interrupted` (see `rl.rollouts.collect`), and
+  the same command resumes from the journal to the uninterrupted result."""
   reports: dict[str, Any] = {}
   model = None
 

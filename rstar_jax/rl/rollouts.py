@@ -24,6 +24,7 @@ import numpy as np
 from rstar_jax.data import math_problems
 from rstar_jax.rl import batching, rewards, roc
 from rstar_jax.rollout import agent_loop, chat, stats
+from rstar_jax.train import interrupt
 
 EVAL = 0x5EED   # stream tag of evaluation-style runs (eval, hard-subset filter)
 
@@ -44,6 +45,33 @@ def run_sync(coro):
     return pool.submit(asyncio.run, coro).result()
 
 
+STOP_POLL_S = 0.1   # how often a journaled collection looks for a stop request
+
+
+class _Stopped(Exception):
+  def __init__(self, signum: int):
+    self.signum = signum
+
+
+async def _until_stopped(coro):
+  """`await coro`, cancelled when a stop is requested (`interrupt.stop_signal`): raises
+  `_Stopped`. The trajectories in flight are dropped; each finished one was journaled
+  by `run_many`'s progress callback, synchronously, so no journal line is cut."""
+  task = asyncio.ensure_future(coro)
+  while True:
+    done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
+    if done:
+      return task.result()
+    signum = interrupt.stop_signal()
+    if signum is not None:
+      task.cancel()
+      try:
+        await task
+      except asyncio.CancelledError:
+        pass
+      raise _Stopped(signum)
+
+
 def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
             problems: Sequence[math_problems.MathProblem], *, k: int,
             agent: agent_loop.AgentConfig, stream: Sequence[int], progress: bool = False,
@@ -58,7 +86,12 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
   `journal` (a path) makes a long collection resumable: every trajectory is appended
   there as it finishes, and a call whose `journal_key` (what decides the trajectories:
   the model, the settings), stream, k and items match the journal's runs only those not
-  in it. Each trajectory keeps its own seed, so the result equals an uninterrupted run."""
+  in it. Each trajectory keeps its own seed, so the result equals an uninterrupted run.
+  A journaled collection also stops at a sample boundary when a stop is requested of the
+  active `interrupt.StopRequests` (SIGINT, SIGTERM, SIGUSR2): within `STOP_POLL_S` it
+  drops the trajectories in flight and raises `interrupt.Interrupted`; the same call
+  again runs only what the journal lacks. (Without a journal, an RL step's collection,
+  it runs to the end: the trainer stops after the step.)"""
   items = [(f"{p.uid}#{j}", p.problem) for p in problems for j in range(k)]
   seeds = trajectory_seeds(stream, len(items))
   prompts = [proto.prompt_ids(p.problem) for p in problems]   # once, not once per sample
@@ -80,17 +113,22 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
     bar = tqdm(total=len(items), initial=len(done), desc=desc, unit="traj")
   log = _JournalWriter(journal, header, resume=bool(done)) if journal else None
   index_of = {items[i][0]: i for i in todo}
+  kept = [len(done)]   # trajectories in the journal
 
   def journaled(t: agent_loop.Trajectory) -> None:
     if log is not None and not t.failed:
       log.write(index_of[t.uid], t)
+      kept[0] += 1
+
+  def run(coro):
+    return run_sync(_until_stopped(coro) if journal else coro)
 
   def finished(t: agent_loop.Trajectory) -> None:
     journaled(t)
     if bar is not None:
       bar.update(1)
   try:
-    ran = run_sync(agent_loop.run_many(
+    ran = run(agent_loop.run_many(
         engine, tools, proto, [items[i] for i in todo], agent, seeds=[seeds[i] for i in todo],
         progress=finished, prompt_ids=[prompts[i // k] for i in todo]))
     trajs = [done.get(i) for i in range(len(items))]
@@ -101,12 +139,16 @@ def collect(engine, tools, proto: chat.ChatProtocol, tokenizer,
       logging.warning("%s: %d of %d trajectories failed (first: %s %s); running them again",
                       desc, len(again), len(trajs), trajs[again[0]].uid, trajs[again[0]].error)
       index_of = {items[i][0]: i for i in again}
-      retried = run_sync(agent_loop.run_many(engine, tools, proto, [items[i] for i in again],
-                                             agent, seeds=[seeds[i] for i in again],
-                                             progress=journaled,
-                                             prompt_ids=[prompts[i // k] for i in again]))
+      retried = run(agent_loop.run_many(engine, tools, proto, [items[i] for i in again],
+                                        agent, seeds=[seeds[i] for i in again],
+                                        progress=journaled,
+                                        prompt_ids=[prompts[i // k] for i in again]))
       for i, t in zip(again, retried):
         trajs[i] = t
+  except _Stopped as e:
+    raise interrupt.Interrupted(
+        e.signum, after=f"{kept[0]} of {len(items)} trajectories of {desc}",
+        saved=f"those are journaled in {journal}") from None
   finally:
     if bar is not None:
       bar.close()

@@ -27,11 +27,12 @@ from absl import logging
 class Interrupted(Exception):
   """Training stopped on a signal after saving its last finished step."""
 
-  def __init__(self, signum: int, step: int | None = None, *, after: str | None = None):
+  def __init__(self, signum: int, step: int | None = None, *, after: str | None = None,
+               saved: str = "checkpoint saved"):
     self.signum, self.step = signum, step
     where = after if after is not None else f"step {step}"
     super().__init__(f"stopped by {signal.Signals(signum).name} after {where} "
-                     "(checkpoint saved; run the same command again to resume)")
+                     f"({saved}; run the same command again to resume)")
 
 
 class Aborted(KeyboardInterrupt):
@@ -88,6 +89,15 @@ def _abort(signum: int, first: int | None = None) -> None:
 def _hold_abort(signum, frame) -> None:
   del frame
   _abort(signum)
+
+
+def stop_signal() -> int | None:
+  """The signal of the stop requested of the active `StopRequests` (None: none asked, or
+  no `StopRequests` active). Read by loops that stop at a boundary of their own rather
+  than a step's: a journaled rollout collection (`rl.rollouts.collect`) stops at the
+  next finished trajectory."""
+  active = StopRequests._active
+  return None if active is None else active.signum
 
 
 class StopRequests:

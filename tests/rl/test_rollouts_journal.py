@@ -97,3 +97,39 @@ def test_a_journal_line_keeps_what_evaluation_reads():
   assert back == t
   for mask in ([], [0], [1], [0, 0, 1], [1, 0, 1, 0]):
     assert rollouts._unruns(rollouts._runs(mask)) == mask
+
+
+class _SignalsAt(_Dies):
+  """The pool; at its `at`-th reply this process gets SIGTERM (a real signal, taken by
+  the active `interrupt.StopRequests`)."""
+
+  async def generate(self, request):
+    import os
+    import signal
+    self.started += request.request_id.endswith("/turn0")
+    out = await self._pool.generate(request)
+    self.returned += 1
+    if self.at is not None and self.returned == self.at:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+
+def test_a_stop_request_ends_a_journaled_collection_at_a_finished_trajectory(parts, tmp_path):
+  import signal
+  from rstar_jax.train import interrupt
+  reference = _flat(_collect(parts, parts[2]))
+  journal = str(tmp_path / "eval.journal.jsonl")
+  with interrupt.StopRequests(), pytest.raises(interrupt.Interrupted) as e:
+    _collect(parts, _SignalsAt(parts[2], at=8), journal=journal, journal_key={"model": "a"})
+  assert e.value.signum == signal.SIGTERM and "trajectories of rollouts" in str(e.value)
+  with open(journal) as f:
+    kept = len(f.read().splitlines()) - 1
+  assert 0 < kept < 18 and f"after {kept} of 18 trajectories" in str(e.value)
+  again = _Dies(parts[2])
+  assert _flat(_collect(parts, again, journal=journal, journal_key={"model": "a"})) == reference
+  assert again.started == 18 - kept
+  # Without a journal (an RL step's rollouts) a stop request waits for the end: the
+  # trainer stops after the step.
+  with interrupt.StopRequests() as stop:
+    assert _flat(_collect(parts, _SignalsAt(parts[2], at=8))) == reference
+    assert stop.signum == signal.SIGTERM
