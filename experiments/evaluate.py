@@ -25,7 +25,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from rstar_jax import config_utils
+from rstar_jax import checkpoint, config_utils
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file",
                                           lock_config=True)
@@ -81,7 +81,7 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   os.makedirs(workdir, exist_ok=True)
   tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)
   proto = chat.ChatProtocol(tok, cfg.chat)
-  key = {"model": hf_dir, "weights": recipe._dir_stamp(hf_dir),
+  key = {"model": hf_dir, "weights": checkpoint.files_stamp(hf_dir),
          "tools": [cfg.tools.backend, cfg.tools.timeout_s],
          "chat": dataclasses.asdict(cfg.chat)}
   with contextlib.ExitStack() as stack:

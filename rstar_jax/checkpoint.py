@@ -162,3 +162,14 @@ def _os_error(e: BaseException) -> OSError | None:
       return OSError(errno.ENOSPC, str(e))
     e = e.__cause__ or e.__context__
   return None
+
+
+def files_stamp(path: str) -> list:
+  """Names, sizes and modification times of a checkpoint directory's files (an HF export:
+  its .json and .safetensors): what an evaluation journal is keyed on, so that an export
+  written again in place (another model under the same path) stamps differently. [] for
+  a path that is not a directory."""
+  if not path or not os.path.isdir(path):
+    return []
+  return sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in os.scandir(path)
+                if e.is_file() and e.name.endswith((".json", ".safetensors")))

@@ -126,3 +126,21 @@ def test_a_full_disk_raises_a_clear_error_and_keeps_the_previous_steps(tiny_disk
   ck = ckpt_lib.Checkpointer(d, max_to_keep=2)
   assert ck.all_steps() == [1, 2]
   _check_restores(ck, 2, n)
+
+
+def test_files_stamp_changes_when_an_export_is_written_again_in_place(tmp_path):
+  """What evaluation journals are keyed on: the export's .json / .safetensors files by
+  name, size and mtime; other files do not count; no directory, no stamp."""
+  from rstar_jax import checkpoint as ckpt_lib
+  assert ckpt_lib.files_stamp(str(tmp_path / "absent")) == []
+  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+  (tmp_path / "notes.txt").write_text("ignored")
+  first = ckpt_lib.files_stamp(str(tmp_path))
+  assert [row[:2] for row in first] == [["config.json", 2], ["model.safetensors", 10]]
+  assert ckpt_lib.files_stamp(str(tmp_path)) == first
+  (tmp_path / "model.safetensors").write_bytes(b"y" * 11)   # another model, same path
+  assert ckpt_lib.files_stamp(str(tmp_path)) != first
+  (tmp_path / "notes.txt").write_text("still ignored, other size")
+  assert [row[0] for row in ckpt_lib.files_stamp(str(tmp_path))] == ["config.json",
+                                                                     "model.safetensors"]

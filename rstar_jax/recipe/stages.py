@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from absl import logging
 from flax import nnx
 
-from rstar_jax import compile_cache, config_utils, distributed, sharding
+from rstar_jax import checkpoint, compile_cache, config_utils, distributed, sharding
 from rstar_jax import jsonl
 from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
@@ -569,7 +569,7 @@ def _eval_key(ctx: Context, name: str, source: str) -> dict:
   weights = source or (os.path.join(ctx.workdir, made[0], "export") if made[0] else "")
   # Of the tools, what a result depends on (not where the servers are, nor how many).
   tools = [ctx.config.tools.backend, ctx.config.tools.timeout_s]
-  key = {"name": name, "source": source, "model": made, "weights": _dir_stamp(weights),
+  key = {"name": name, "source": source, "model": made, "weights": checkpoint.files_stamp(weights),
          "seed": ctx.config.seed, "eval": dataclasses.asdict(ctx.config.eval), "tools": tools}
   return json.loads(json.dumps(key, default=str))
 
@@ -591,15 +591,6 @@ def _model_made(ctx: Context, before: str | None = None) -> list:
   prev = _last_done(ctx.workdir, before or "")
   return [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
           ctx.config.model.hf_dir]
-
-
-def _dir_stamp(path: str) -> list:
-  """Names, sizes and modification times of a checkpoint directory's files: an export
-  written again in place (another model under the same path) stamps differently."""
-  if not path or not os.path.isdir(path):
-    return []
-  return sorted([e.name, e.stat().st_size, e.stat().st_mtime_ns] for e in os.scandir(path)
-                if e.is_file() and e.name.endswith((".json", ".safetensors")))
 
 
 def _evaluate(ctx: Context, engines, name: str, source: str):
