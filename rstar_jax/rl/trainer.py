@@ -188,16 +188,15 @@ class RLTrainer:
     self._pipeline: async_lib.RolloutPipeline | None = None
     self._version_steps: dict[str, int] = {}    # weight version name -> its update count
     self._num_steps: int | None = None          # the stage's length (run's argument)
-    if self.max_staleness > 0:
-      if jax.process_count() > 1:
-        raise config_utils.ConfigError(
-            "rl.async_rollouts.max_staleness > 0 runs on one process only for now (process "
-            "0 alone generates; the parameter copies it hands its engines are global arrays)")
-      # The engines get their own copy of each version: the train step donates the
-      # state's buffers while they still generate with it.
-      self._copy_params = jax.jit(
-          lambda p: jax.tree.map(jnp.copy, p),
-          out_shardings=None if self.shardings is None else self.shardings.params)
+    if self.max_staleness > 0 and jax.process_count() > 1:
+      raise config_utils.ConfigError(
+          "rl.async_rollouts.max_staleness > 0 runs on one process only for now (process "
+          "0 alone generates; the parameter copies it hands its engines are global arrays)")
+    # The engines get their own copy of each version: the train step donates the state's
+    # buffers while they still generate with it (compiled only if called: k > 0).
+    self._copy_params = jax.jit(
+        lambda p: jax.tree.map(jnp.copy, p),
+        out_shardings=None if self.shardings is None else self.shardings.params)
 
   # ---- the reference policy (KL term) -----------------------------------------------
   def _reference_params(self, reference):
