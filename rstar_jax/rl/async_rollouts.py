@@ -231,3 +231,30 @@ def load_pending(directory: str, step: int, max_staleness: int
     out.append(Pending(r["step"], r["version"], r["version_step"], r["data_before"],
                        r["data_after"], fut))
   return out, dict(saved["version_steps"])
+
+
+# ---- what the schedule costs: a timing model ---------------------------------------------
+
+def schedule_times(gen_s: Sequence[float], train_s: Sequence[float], max_staleness: int
+                   ) -> dict[str, float]:
+  """Wall time of a stage under this module's schedule, from each step's generation
+  seconds (weight sync included: the worker publishes before it generates) and update
+  seconds. The worker generates steps in order, step s as soon as it is free and version
+  v(s) = max(s - k, 0) exists (version v exists when update v - 1 ends); the trainer
+  updates step t once its rollouts and update t - 1 are done. k = 0 is the synchronous
+  loop. Returns the total, the seconds a step, and the share of the total each side idles.
+  """
+  if len(gen_s) != len(train_s) or not len(gen_s):
+    raise ValueError("gen_s and train_s: one entry per step, at least one")
+  gen_end, train_end = [], []
+  worker_free = 0.0
+  for s in range(len(gen_s)):
+    v = behaviour_version(s, max_staleness, 0)
+    start = max(worker_free, train_end[v - 1] if v > 0 else 0.0)
+    gen_end.append(start + gen_s[s])
+    worker_free = gen_end[-1]
+    train_end.append(max(gen_end[s], train_end[s - 1] if s else 0.0) + train_s[s])
+  total = train_end[-1]
+  return {"total_s": total, "step_s": total / len(gen_s),
+          "trainer_idle_share": 1.0 - sum(train_s) / total,
+          "worker_idle_share": 1.0 - sum(gen_s) / total}

@@ -37,8 +37,9 @@ they are for: bounded-staleness asynchronous rollouts, docs/guides/async_rollout
     generated the tokens, or its recomputation: RLConfig.old_logprobs). Under stale
     rollouts the ratio's clip range is then centred on a policy k updates old.
   decoupled:  AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: A Large-Scale
-    Asynchronous Reinforcement Learning System for Language Reasoning", Sec. 5.1; their
-    realhf `ppo_functional.actor_loss_fn`), with prox = the trainer's parameters before
+    Asynchronous Reinforcement Learning System for Language Reasoning", arXiv 2505.24298,
+    the staleness-aware "decoupled PPO objective"; in their code
+    realhf/impl/model/utils/ppo_functional.py), with prox = the trainer's parameters before
     this update (their "proximal policy") and behav = the sampler:
       rho = exp(logp_new - logp_prox)               clipped as above (trust region
                                                     around prox, not around behav)

@@ -259,3 +259,18 @@ def test_the_config_refuses_what_would_not_correct_staleness():
   with pytest.raises(ValueError, match="sampler"):
     dataclasses.replace(base, old_logprobs="recompute",
                         loss=dataclasses.replace(base.loss, off_policy="decoupled"))
+
+
+def test_schedule_times_overlaps_the_slower_side_with_the_faster():
+  """Worked by hand: generation 10 s, update 4 s a step, 5 steps. k = 0: 5 x 14 = 70 s.
+  k = 1: the worker runs steps 0 and 1 on version 0 back to back (0-20 s), step 2 needs
+  version 1 (update 0 ends at 14 s) and starts when the worker is free at 20 s: the
+  worker is never idle after the start, so 5 x 10 s + the last update 4 s = 54 s."""
+  assert async_lib.schedule_times([10] * 5, [4] * 5, 0)["total_s"] == 70.0
+  assert async_lib.schedule_times([10] * 5, [4] * 5, 1)["total_s"] == 54.0
+  # Update-bound: the same by symmetry (generation 4 s first, then 5 updates of 10 s).
+  assert async_lib.schedule_times([4] * 5, [10] * 5, 1)["total_s"] == 54.0
+  # A bound of 2 absorbs one slow generation that a bound of 1 waits for.
+  gen, train = [5, 5, 5, 12, 5, 5], [6] * 6
+  assert (async_lib.schedule_times(gen, train, 2)["total_s"]
+          < async_lib.schedule_times(gen, train, 1)["total_s"])

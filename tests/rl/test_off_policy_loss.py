@@ -1,7 +1,7 @@
 """The off-policy corrections of the PPO loss (losses.OFF_POLICY) against a numpy
 reference written from the formulas, one token at a time (float64 loops, no jax):
 
-  decoupled (AReaL, Fu et al. 2025 Sec. 5.1):
+  decoupled (AReaL, Fu et al. 2025, arXiv 2505.24298):
     rho = exp(new - prox), w = exp(prox - behav)
     l   = w' * max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))   (dual clip on A < 0)
     w'  = 0 if w > cap else w            (decoupled: AReaL drops the token)
