@@ -12,6 +12,11 @@ Reproducibility and resumption: every random choice of step s derives from
 with the checkpoint, so a resumed run takes the same next batch and, with the same
 parameters and optimizer state, produces the same next step. SIGINT / SIGTERM stop
 the loop at a step boundary (see `train.interrupt`), so that holds for them too.
+
+With rl.async_rollouts.max_staleness = k >= 1 the rollouts of the next k steps are
+generated in a worker thread while a step trains, step s by the policy after exactly
+max(s - k, t0) updates (rl/async_rollouts.py: the schedule, why it is not timing's, and
+the pending rollouts a checkpoint carries); k = 0 runs the loop above unchanged.
 """
 from __future__ import annotations
 
