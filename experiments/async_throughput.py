@@ -30,7 +30,7 @@ from absl import app, flags
 from experiments import results_json
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 6, "RL steps per setting")
+flags.DEFINE_integer("steps", 6, "RL steps per setting", lower_bound=1)
 flags.DEFINE_string("staleness", "0,1,2", "comma-separated max_staleness values")
 flags.DEFINE_float("tool_delay_s", 0.0, "seconds each tool call takes")
 flags.DEFINE_string("out", "", "JSON output path (default: print only)")
