@@ -93,6 +93,7 @@ def _other_value(tp, current, path):
       "tool_schema": {"type": "function", "function": {
           "name": "py", "parameters": {"properties": {"code": {"type": "string"}}}}},
       "rules": {"embed": "tensor"}, "cpu_collectives": "mpi", "pause_mode": "abort",
+      "off_policy": "decoupled",
   }
   if path[-2:] == ("weight_sync", "dtype"):
     return "float32"

@@ -30,6 +30,28 @@ Metrics (token averages over the mask of the full batch):
     come from the old policy; unbiased and >= 0); ppo_kl: k1, mean of log(old / new) (what
     verl logs as ppo_kl); ratio_mean: mean rho; entropy: mean of the given per-token entropy.
 `logprob_diff_metrics` gives the sampler-vs-trainer log-prob gap (mean abs, max abs).
+
+Off-policy corrections (registry `OFF_POLICY`, picked by `LossConfig.off_policy`; what
+they are for: bounded-staleness asynchronous rollouts, docs/guides/async_rollouts.md):
+  behaviour:  the objective above with old = the behaviour policy (the sampler that
+    generated the tokens, or its recomputation: RLConfig.old_logprobs). Under stale
+    rollouts the ratio's clip range is then centred on a policy k updates old.
+  decoupled:  AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: A Large-Scale
+    Asynchronous Reinforcement Learning System for Language Reasoning", arXiv 2505.24298,
+    the staleness-aware "decoupled PPO objective"; in their code
+    realhf/impl/model/utils/ppo_functional.py), with prox = the trainer's parameters before
+    this update (their "proximal policy") and behav = the sampler:
+      rho = exp(logp_new - logp_prox)               clipped as above (trust region
+                                                    around prox, not around behav)
+      w   = exp(logp_prox - logp_behav)             behaviour importance weight, no grad
+      l   = w * max(-A * rho, -A * clip(rho, ...))  (dual clip on the max as above)
+    tokens with w > behaviour_weight_cap are dropped from the loss (w := 0; their count
+    stays in the denominator), as AReaL's `behav_imp_weight_cap` filters them.
+  decoupled-truncated: the same with w := min(w, behaviour_weight_cap) instead of
+    dropping (truncated importance sampling, as verl's TIS caps its rollout weights).
+  Extra metrics (decoupled modes): behav_weight_mean (token mean of w before the cap),
+  behav_weight_max (max over tokens), behav_log_weight_abs (token mean of |log w|: the
+  spread), behav_capped_frac (share of tokens with w > cap).
 """
 from __future__ import annotations
 
@@ -52,6 +74,7 @@ __all__ = [
     "get_aggregation",
     "aggregate",
     "kl_penalty",
+    "OFF_POLICY",
     "ppo_loss",
     "logprob_diff_metrics",
     "accumulate_metrics",
@@ -60,7 +83,7 @@ __all__ = [
 Array = jax.Array
 
 # Metrics that combine across micro-batches by max; every other one by sum.
-MAX_REDUCED_METRICS = frozenset({"logp_diff_max_abs"})
+MAX_REDUCED_METRICS = frozenset({"logp_diff_max_abs", "behav_weight_max"})
 
 
 class LossNormalizer(NamedTuple):
@@ -107,6 +130,12 @@ class LossConfig:
       >= 0, low variance; clamped to [-10, 10] as verl's low_var_kl).
     log_ratio_clamp: |log rho| is clamped here before exp, as verl does, so one wild token
       cannot overflow.
+    off_policy: a registered off-policy correction (see the module docstring):
+      "behaviour" (the ratio against the sampler's log-probs: today's objective),
+      "decoupled" (AReaL's), "decoupled-truncated". The decoupled ones need the
+      proximal log-probs (`prox_logp`: the RL trainer computes them, one forward).
+    behaviour_weight_cap: > 1, the bound on the decoupled objectives' behaviour
+      importance weight (AReaL's behav_imp_weight_cap; 5 in their examples).
   """
   eps_low: float = 0.2
   eps_high: float = 0.28
@@ -116,6 +145,8 @@ class LossConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   log_ratio_clamp: float = 20.0
+  off_policy: str = "behaviour"
+  behaviour_weight_cap: float = 5.0
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
@@ -140,6 +171,15 @@ class LossConfig:
                        f"{sorted(KL_ESTIMATORS)}")
     if not self.log_ratio_clamp > 0:
       raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+    OFF_POLICY.lookup(self.off_policy)
+    if not (self.behaviour_weight_cap > 1 and math.isfinite(self.behaviour_weight_cap)):
+      raise ValueError("LossConfig.behaviour_weight_cap must be finite and > 1, got "
+                       f"{self.behaviour_weight_cap}")
+
+  @property
+  def needs_proximal(self) -> bool:
+    """Whether the loss takes the proximal policy's log-probs (`prox_logp`)."""
+    return self.off_policy != "behaviour"
 
 
 # --- aggregations -------------------------------------------------------------------------
@@ -205,6 +245,27 @@ def kl_penalty(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:
   return fn(logp, ref_logp)
 
 
+# --- off-policy corrections -----------------------------------------------------------------
+
+# name -> (log w [B, T] float32, cap) -> (the weight multiplied into the per-token loss, the
+# tokens the cap acted on); None: no behaviour weight (the ratio is against the sampler).
+OFF_POLICY: Registry = Registry("off-policy correction")
+OFF_POLICY["behaviour"] = None
+
+
+@OFF_POLICY.register("decoupled")
+def _dropped_beyond_cap(log_w, cap):
+  w = jnp.exp(log_w)
+  capped = w > cap
+  return jnp.where(capped, 0.0, w), capped
+
+
+@OFF_POLICY.register("decoupled-truncated")
+def _truncated_at_cap(log_w, cap):
+  w = jnp.exp(log_w)
+  return jnp.minimum(w, cap), w > cap
+
+
 # --- the loss -------------------------------------------------------------------------------
 
 def _check_shape(name: str, x: Array, shape: tuple[int, ...]) -> None:
@@ -219,8 +280,8 @@ def _token_mean_metric(values: Array, mask: Array, norm: LossNormalizer) -> Arra
 
 def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
              config: LossConfig = LossConfig(), normalizer: LossNormalizer | None = None,
-             ref_logp: Array | None = None, entropy: Array | None = None
-             ) -> tuple[Array, dict[str, Array]]:
+             ref_logp: Array | None = None, entropy: Array | None = None,
+             prox_logp: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """Clip-higher PPO loss of a (micro-)batch and its metrics.
 
   Args:
@@ -233,6 +294,9 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
     normalizer: the FULL batch's `LossNormalizer` when this is one micro-batch of it.
     ref_logp: [B, T] reference log-probs, required when `config.kl_coef > 0`.
     entropy: optional [B, T] per-token entropy, only reported.
+    prox_logp: [B, T] log-probs under the proximal policy (the parameters before this
+      update), required by the decoupled corrections (`config.off_policy`); then
+      `old_logp` is the behaviour policy's (the sampler's).
 
   Returns:
     (loss, metrics): scalars; summed over micro-batches (metrics in `MAX_REDUCED_METRICS`
@@ -256,6 +320,19 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
 
   new_f = new_logp.astype(jnp.float32)
   old_f = jax.lax.stop_gradient(jnp.asarray(old_logp, jnp.float32))
+  correction = OFF_POLICY.lookup(config.off_policy)
+  behav = None
+  if correction is not None:
+    if prox_logp is None:
+      raise ValueError(f"prox_logp is required by LossConfig.off_policy={config.off_policy!r}")
+    _check_shape("prox_logp", prox_logp, shape)
+    prox_f = jax.lax.stop_gradient(jnp.asarray(prox_logp, jnp.float32))
+    # The behaviour weight's log is clamped as the ratio's is: a token the sampler
+    # found far less likely than the proximal policy must not overflow before the cap.
+    log_w = jnp.clip(prox_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
+    weight, capped = correction(log_w, config.behaviour_weight_cap)
+    behav = (log_w, weight, capped)
+    old_f = prox_f            # the trust region is around the proximal policy
   log_ratio = jnp.clip(new_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
   ratio = jnp.exp(log_ratio)
   lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
@@ -269,6 +346,8 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
     dual = neg_adv & (ratio > config.dual_clip_c)
   else:
     dual = jnp.zeros(shape, bool)
+  if behav is not None:
+    per_token = behav[1] * per_token
 
   pg_loss = aggregate(per_token, m, normalizer, config)
   loss = pg_loss
@@ -297,6 +376,14 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
   if entropy is not None:
     _check_shape("entropy", entropy, shape)
     metrics["entropy"] = tm(jnp.asarray(entropy))
+  if behav is not None:
+    log_w, _, capped = behav
+    metrics.update(
+        behav_weight_mean=tm(jnp.exp(log_w)),
+        behav_weight_max=jnp.max(jnp.where(m > 0, jnp.exp(log_w), 0.0), initial=0.0),
+        behav_log_weight_abs=tm(jnp.abs(log_w)),
+        behav_capped_frac=tm(capped),
+    )
   return loss, metrics
 
 

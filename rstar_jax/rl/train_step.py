@@ -15,6 +15,8 @@ Batch layout (all [N, T] unless noted; N = micro_batches x micro_batch_size):
   sampler_logp    what the sampler reported (equal to old_logp unless recomputed)
   advantages      [N] per sequence
   ref_logp        optional, only when the loss has kl_coef > 0
+  prox_logp       optional, only with a decoupled off-policy correction: log-probs under
+                  the parameters before this update (the proximal policy)
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
     lp, ent = out if step_cfg.compute_entropy else (out, None)
     loss, metrics = losses.ppo_loss(lp, mb["old_logp"], mb["advantages"], mb["loss_mask"],
                                     config=loss_cfg, normalizer=norm,
-                                    ref_logp=mb.get("ref_logp"), entropy=ent)
+                                    ref_logp=mb.get("ref_logp"), entropy=ent,
+                                    prox_logp=mb.get("prox_logp"))
     metrics.update(losses.logprob_diff_metrics(lp, mb["sampler_logp"], mb["loss_mask"], norm))
     return loss, metrics
 

@@ -12,6 +12,11 @@ Reproducibility and resumption: every random choice of step s derives from
 with the checkpoint, so a resumed run takes the same next batch and, with the same
 parameters and optimizer state, produces the same next step. SIGINT / SIGTERM stop
 the loop at a step boundary (see `train.interrupt`), so that holds for them too.
+
+With rl.async_rollouts.max_staleness = k >= 1 the rollouts of the next k steps are
+generated in a worker thread while a step trains, step s by the policy after exactly
+max(s - k, t0) updates (rl/async_rollouts.py: the schedule, why it is not timing's, and
+the pending rollouts a checkpoint carries); k = 0 runs the loop above unchanged.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from rstar_jax import optim
 from rstar_jax import sharding
 from rstar_jax.data import math_problems
 from rstar_jax.rl import advantages as adv_lib
+from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import batching, losses, roc, rollouts
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rollout import agent_loop, chat
@@ -69,6 +75,9 @@ class RLConfig:
       to keep every stage close to the SFT model). Its log-probs are computed on the
       trainer's mesh with the policy's chunked log-prob function; it costs one more copy
       of the parameters (no gradient, no optimizer state) and one forward per step.
+    async_rollouts: bounded-staleness asynchronous rollouts (`max_staleness` k; 0: the
+      synchronous loop), rl/async_rollouts.py and docs/guides/async_rollouts.md. The
+      off-policy correction that goes with it is `loss.off_policy`.
     downsample, advantage, loss, optimizer, step: the components' own configs.
   """
   prompts_per_step: int = 8
@@ -86,6 +95,8 @@ class RLConfig:
   loss: losses.LossConfig = dataclasses.field(default_factory=losses.LossConfig)
   optimizer: optim.OptimizerConfig = dataclasses.field(default_factory=optim.OptimizerConfig)
   step: core.StepConfig = dataclasses.field(default_factory=core.StepConfig)
+  async_rollouts: async_lib.AsyncRolloutsConfig = dataclasses.field(
+      default_factory=async_lib.AsyncRolloutsConfig)
 
   def __post_init__(self):
     if self.old_logprobs not in OLD_LOGPROBS:
@@ -97,6 +108,19 @@ class RLConfig:
     if not isinstance(self.reference, str) or not self.reference.strip():
       raise ValueError(f"RLConfig.reference must be {STAGE_START!r} or the path of a Hugging "
                        f"Face export directory, got {self.reference!r}")
+    if self.loss.needs_proximal and self.old_logprobs != "sampler":
+      # The decoupled objective's behaviour policy IS the sampler; recomputed log-probs
+      # are the proximal policy's, which it computes itself.
+      raise ValueError(f"RLConfig: loss.off_policy={self.loss.off_policy!r} weighs by the "
+                       "sampler's log-probs; set old_logprobs='sampler'")
+    if self.async_rollouts.max_staleness > 0 and self.old_logprobs == "recompute" and (
+        not self.loss.needs_proximal):
+      # The recomputation runs on the parameters being updated, not on the (older) ones
+      # that sampled: the ratio would ignore the staleness altogether.
+      raise ValueError("RLConfig: old_logprobs='recompute' under async_rollouts."
+                       "max_staleness > 0 would take the ratio against the current "
+                       "parameters, not the sampler's; use old_logprobs='sampler' (and "
+                       "loss.off_policy='behaviour' or 'decoupled')")
     if self.downsample.group_size > self.samples_per_prompt:
       raise ValueError(f"RLConfig: downsample.group_size ({self.downsample.group_size}) "
                        f"exceeds samples_per_prompt ({self.samples_per_prompt})")
@@ -137,7 +161,8 @@ class RLTrainer:
     self.train_step = ts.make_train_step(self.graphdef, self.tx, loss_cfg, config.step,
                                          temperature=agent.temperature, mesh=mesh,
                                          rules=rules, state_shardings=self.shardings)
-    need_logprobs = config.old_logprobs == "recompute" or loss_cfg.kl_coef > 0
+    need_logprobs = (config.old_logprobs == "recompute" or loss_cfg.kl_coef > 0
+                     or loss_cfg.needs_proximal)
     # One jitted forward (chunked log-probs, micro-batched) for the recomputed old
     # log-probs and the reference's: the same program on other parameters.
     self._logprobs = (ts.make_logprob_fn(self.graphdef, config.step,
@@ -162,6 +187,21 @@ class RLTrainer:
     self._state_ok = True     # False while a donated state is inside the jitted step
     self._unwritten: tuple[int, dict] | None = None   # a finished step's row, not yet written
     self.last_trajectories: list[agent_loop.Trajectory] = []
+    # Asynchronous rollouts (rl.async_rollouts.max_staleness > 0): the worker pipeline,
+    # made at the first step (or at a resume, holding the checkpoint's pending steps).
+    self.max_staleness = config.async_rollouts.max_staleness
+    self._pipeline: async_lib.RolloutPipeline | None = None
+    self._version_steps: dict[str, int] = {}    # weight version name -> its update count
+    self._num_steps: int | None = None          # the stage's length (run's argument)
+    if self.max_staleness > 0 and jax.process_count() > 1:
+      raise config_utils.ConfigError(
+          "rl.async_rollouts.max_staleness > 0 runs on one process only for now (process "
+          "0 alone generates; the parameter copies it hands its engines are global arrays)")
+    # The engines get their own copy of each version: the train step donates the state's
+    # buffers while they still generate with it (compiled only if called: k > 0).
+    self._copy_params = jax.jit(
+        lambda p: jax.tree.map(jnp.copy, p),
+        out_shardings=None if self.shardings is None else self.shardings.params)
 
   # ---- the reference policy (KL term) -----------------------------------------------
   def _reference_params(self, reference):
@@ -211,6 +251,8 @@ class RLTrainer:
     self.step = int(meta["step"])
     self.version = None          # the engines follow at the next step
     self.writer.truncate_after(self.step)
+    if self.max_staleness > 0:
+      self._adopt_pending()
     logging.info("resumed RL from %s at step %d", self.ckpt.directory, self.step)
     return True
 
@@ -236,7 +278,14 @@ class RLTrainer:
       meta = {"step": self.step, "data": self.data.state()}
       if self.ref_fingerprint is not None:
         meta["reference"] = self.ref_fingerprint
+      if self._pipeline is not None:
+        # The batches of the pending steps are drawn already: the checkpoint holds the
+        # data position of this step's, and the pending rollouts are written first, so
+        # that a checkpoint on disk always has its pending file.
+        meta["data"] = self._save_pending()
       self.ckpt.save(self.step, self.state, meta)
+      if self._pipeline is not None:
+        async_lib.drop_other_pending(self._pending_dir(), self.step)
 
   def params(self):
     return self.state.params
@@ -279,6 +328,8 @@ class RLTrainer:
                             stream=(self.seed, step))
 
   def run_step(self) -> dict[str, float]:
+    if self.max_staleness > 0:
+      return self._run_step_async()
     data_before, step_before = self.data.state(), self.step
     try:
       return self._run_step()
@@ -302,16 +353,42 @@ class RLTrainer:
 
   def _prepare(self, batch, step: int) -> tuple[dict[str, float], dict | None]:
     """Rollouts, RoC, advantages -> (metrics, the padded batch arrays or None)."""
-    config = self.config
     t0 = time.perf_counter()
     groups = self.rollouts(batch, step)
-    t_roll = time.perf_counter() - t0
+    return self._batch_from(groups, step, time.perf_counter() - t0)
+
+  def _batch_from(self, groups, step: int, t_roll: float, pending=None
+                  ) -> tuple[dict[str, float], dict | None]:
+    """A step's generated groups -> (metrics, the padded batch arrays or None).
+    `pending`: an asynchronous step's (entry, seconds waited for it)."""
+    config = self.config
     groups, failed = rollouts.drop_failed_groups(groups, f"step {step}")
-    flat = [t for g in groups for t in g]
-    rollouts.check_weight_versions(flat, self.version, f"step {step}")
+    if pending is None:
+      flat = [t for g in groups for t in g]
+      rollouts.check_weight_versions(flat, self.version, f"step {step}")
+    else:
+      entry, wait_s = pending
+      groups, ages, stale = async_lib.staleness_filter(
+          groups, step, self.max_staleness, self._version_steps, entry.version_step)
+      flat = [t for g in groups for t in g]
+      if stale:
+        logging.warning("step %d: %d groups dropped: generated with weights more than %d "
+                        "versions old or unknown", step, stale, self.max_staleness)
     metrics = rollouts.metrics(flat)
     metrics["rollout/failed_groups"] = float(failed)
     self.last_trajectories = flat
+    if pending is not None:
+      metrics.update({"async/behaviour_version": float(entry.version_step),
+                      "async/stale_dropped_groups": float(stale),
+                      "time/rollout_wait_s": wait_s})
+      if ages:     # a mean over nothing is missing, not 0 (rollout/stats.py)
+        metrics["async/staleness_mean"] = float(np.mean(ages))
+        metrics["async/staleness_max"] = float(max(ages))
+      if not groups:
+        logging.warning("step %d: every group was dropped; no update", step)
+        metrics.update({"time/rollout_s": t_roll, "update/skipped": 1.0,
+                        "update/zero_advantage": 1.0})
+        return metrics, None
 
     stats = [[rollouts.rollout_stats(t) for t in g] for g in groups]
     ds = roc.downsample(stats, config.downsample, np.random.default_rng([self.seed, step]))
@@ -343,13 +420,20 @@ class RLTrainer:
                                   pad_id=self.tok.pad_id)
     return metrics, arrays
 
-  def _update(self, metrics: dict[str, float], arrays: dict, step: int) -> dict[str, float]:
+  def _update(self, metrics: dict[str, float], arrays: dict, step: int, sync: bool = True
+              ) -> dict[str, float]:
     """The policy update from the step's batch (every process: the step is one
-    program over the global mesh), then the engines move to the new parameters."""
+    program over the global mesh), then the engines move to the new parameters
+    (sync=False: asynchronous rollouts, whose worker moves them by its schedule)."""
     config = self.config
     t1 = time.perf_counter()
     if self.logprob_fn is not None:
       arrays["old_logp"] = distributed.host_value(self.logprob_fn(
+          self.state.params, arrays["input_ids"], arrays["target_ids"],
+          arrays["attention_mask"]))
+    if config.loss.needs_proximal:
+      # The decoupled objective's proximal policy: these parameters, before the update.
+      arrays["prox_logp"] = distributed.host_value(self._logprobs(
           self.state.params, arrays["input_ids"], arrays["target_ids"],
           arrays["attention_mask"]))
     if self.ref_params is not None:
@@ -376,6 +460,9 @@ class RLTrainer:
         config.optimizer, distributed.host_value(optim.schedule_count(self.state.opt_state)))
     metrics["time/train_s"] = time.perf_counter() - t1
     metrics["update/skipped"] = 0.0
+    if not sync:
+      metrics.update(getattr(self.engines, "sync_metrics", dict)())
+      return metrics
     try:
       self._sync_weights(self.step)
     except BaseException:
@@ -393,6 +480,7 @@ class RLTrainer:
     raises `interrupt.Interrupted`."""
     history = []
     bar = None
+    self._num_steps = num_steps
     if progress and distributed.is_main():
       from tqdm import tqdm
       bar = tqdm(total=num_steps, initial=min(self.step, num_steps), desc="RL", unit="step")
@@ -425,11 +513,98 @@ class RLTrainer:
         self._unwritten = None
       # At any exit with a consistent state (an abort during rollouts too), so nothing
       # finished is lost; never a state the jitted step had donated.
-      if self._state_ok and self.step > 0:
-        self.save()
+      try:
+        if self._state_ok and self.step > 0:
+          self.save()
+      finally:
+        if self._pipeline is not None:
+          # Nothing is generated past a run: a later run() starts its schedule afresh
+          # at its first step (t0 of async_rollouts.behaviour_version).
+          self._pipeline.close()
+          self._pipeline = None
     return history
 
+  # ---- asynchronous rollouts (rl.async_rollouts.max_staleness > 0) ---------------------
+  def _pending_dir(self) -> str:
+    return os.path.join(self.workdir, "async_pending")
+
+  def _collect_for_pipeline(self, batch, step: int):
+    return self.rollouts(batch, step)
+
+  def _pipeline_or_new(self) -> async_lib.RolloutPipeline:
+    if self._pipeline is None:
+      self._pipeline = async_lib.RolloutPipeline(self.engines, self._collect_for_pipeline)
+    return self._pipeline
+
+  def _fill_pipeline(self, step: int) -> None:
+    """Submits steps step..step+k (those not pending; none past the stage's end) with the
+    current parameters, version `step`: each step s gets v(s) = max(s - k, t0)."""
+    pipe = self._pipeline_or_new()
+    last = step + self.max_staleness
+    if self._num_steps is not None:
+      last = min(last, self._num_steps - 1)
+    params = name = None
+    for s in range(step, last + 1):
+      if s in pipe.pending:
+        continue
+      if params is None:
+        params, name = self._copy_params(self.state.params), self.weight_version(step)
+        self._version_steps[name] = step
+      before = self.data.state()
+      batch = next(self.data)
+      pipe.submit(s, batch, params, name, step, before, self.data.state())
+
+  def _run_step_async(self) -> dict[str, float]:
+    step = self.step
+    pipe = self._pipeline_or_new()
+    data_before = pipe.pending[step].data_before if step in pipe.pending else self.data.state()
+    try:
+      self._fill_pipeline(step)
+      entry, groups, gen_s, wait_s = pipe.take(step)
+      metrics, arrays = self._batch_from(groups, step, gen_s, pending=(entry, wait_s))
+      if arrays is None:
+        self.step += 1
+        return metrics
+      return self._update(metrics, arrays, step, sync=False)
+    except BaseException:
+      if self.step == step:
+        # Not updated: what was pending is dropped and the step's batch drawn again;
+        # the next step regenerates with the parameters it then holds (t0 = step).
+        pipe.cancel()
+        self.data.restore(data_before)
+      raise
+
+  def _save_pending(self) -> dict:
+    """Waits for the pending steps, writes them for this step's checkpoint; returns the
+    data position the checkpoint must hold (before the first step not saved)."""
+    pending = self._pipeline.pending
+    entries = self._pipeline.finished_prefix()   # a failed one and those after: regenerated
+    async_lib.save_pending(self._pending_dir(), self.step, entries, self._version_steps)
+    # Pending steps run from this one on (the steps before it are trained): the resume
+    # restores this position, then moves past the saved steps' batches.
+    return pending[min(pending)].data_before if pending else self.data.state()
+
+  def _adopt_pending(self) -> None:
+    """Takes back the pending rollouts saved with the restored checkpoint."""
+    entries, names = async_lib.load_pending(self._pending_dir(), self.step,
+                                            self.max_staleness)
+    if self._pipeline is not None:
+      self._pipeline.close()
+      self._pipeline = None
+    if not entries:
+      return
+    pipe = self._pipeline_or_new()
+    self._version_steps.update(names)
+    for p in entries:
+      pipe.adopt(p)
+    self.data.restore(entries[-1].data_after)
+    logging.info("resumed %d pending steps of rollouts (steps %d..%d)", len(entries),
+                 entries[0].step, entries[-1].step)
+
   def close(self):
+    if self._pipeline is not None:
+      self._pipeline.close()
+      self._pipeline = None
     self.ckpt.close()
     self.writer.close()
 

@@ -52,6 +52,10 @@ RL_CASES = (
     + [("pow2_rows", v, {}) for v in (True, False)]
     + [("fixed_rows", v, {}) for v in (True, False)]
     + [("reference", "<export>", {"loss.kl_coef": 0.5})]
+    + [("loss.off_policy", v, {}) for v in sorted(losses.OFF_POLICY)]
+    + [("async_rollouts.max_staleness", v, {}) for v in (0, 1, 2)]
+    # The pairing the ablation is for: stale rollouts under AReaL's objective.
+    + [("loss.off_policy", "decoupled", {"async_rollouts.max_staleness": 1})]
 )
 # Fields of config.model that the trainers' programs depend on (both trainers run each).
 MODEL_CASES = ([("attention_impl", v) for v in model_config.ATTENTION_IMPLS]
@@ -69,7 +73,8 @@ def test_the_cases_cover_every_registered_value():
                         ("downsample.method", roc.DOWNSAMPLERS),
                         ("downsample.sample_counts", roc.SAMPLE_COUNTS),
                         ("optimizer.schedule", optim.SCHEDULES),
-                        ("old_logprobs", rl_trainer.OLD_LOGPROBS)]:
+                        ("old_logprobs", rl_trainer.OLD_LOGPROBS),
+                        ("loss.off_policy", losses.OFF_POLICY)]:
     for v in values:
       assert (field, v) in covered, (field, v)
   assert {v for _, v in MODEL_CASES} | {"float32"} == set(model_config.ATTENTION_IMPLS) | set(
@@ -139,13 +144,15 @@ def _one_rl_step(small, name, rl, **model_overrides):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("field,value,needs", RL_CASES,
-                         ids=[f"{f}={v}" for f, v, _ in RL_CASES])
+                         ids=[f"{f}={v}" + "".join(f",{n}={x}" for n, x in d.items())
+                              for f, v, d in RL_CASES])
 def test_every_rl_option_runs_a_step(small, field, value, needs):
   _, _, _, _, rl, _, export = small
   for f, v in needs.items():
     rl = _replace(rl, f, v)
   rl = _replace(rl, field, export if value == "<export>" else value)
-  _one_rl_step(small, f"rl_{field}_{value}".replace("<", "").replace(">", ""), rl)
+  name = f"rl_{field}_{value}" + "".join(f"_{n}_{x}" for n, x in needs.items())
+  _one_rl_step(small, name.replace("<", "").replace(">", ""), rl)
 
 
 @pytest.mark.slow
