@@ -154,6 +154,9 @@ def _summary(workdir: str) -> dict[str, object]:
     if name.startswith("eval_") and name.endswith(".json") and "made_with" not in name:
       with open(os.path.join(workdir, name)) as f:
         out[name] = _strip(json.load(f))
+    if name.startswith("eval_") and name.endswith("_samples.jsonl"):   # every trajectory
+      with open(os.path.join(workdir, name), "rb") as f:
+        out[f"{name} sha256"] = hashlib.sha256(f.read()).hexdigest()[:16]
   return out
 
 
@@ -190,6 +193,8 @@ def _headline(s: dict) -> dict[str, str]:
       out[f"{stage} last train/loss"] = repr(rl[-1].get("train/loss"))
       if stage == "stage1":
         out["stage1 step-1 logp_diff_mean_abs"] = repr(rl[0].get("train/logp_diff_mean_abs"))
+  if "stdout: evaluation tables" in s:      # equal and empty would prove nothing
+    out["printed evaluation tables"] = str(len(s["stdout: evaluation tables"]))
   for k, v in s.items():
     if k.startswith("eval_") and isinstance(v, dict):
       for key in ("pass@1", "pass_at_1", "accuracy", "mean_reward"):
