@@ -1,6 +1,8 @@
 r"""Two runs of one config, compared bit for bit; and what moves a rollout's bits.
 
-  python -m experiments.repro_check --workdir=/tmp/repro            # two toy runs
+  python -m experiments.repro_check --workdir=/tmp/repro            # two short toy runs
+  python -m experiments.repro_check --workdir=/tmp/repro_full --full --concurrent
+                                                 # the README's main job, twice at once
   python -m experiments.repro_check --engine_table                  # the cause, per choice
 
 Runs (default): the toy recipe twice, one after the other, from scratch in
@@ -9,8 +11,15 @@ Runs (default): the toy recipe twice, one after the other, from scratch in
 --config.stage3.num_steps=0 --config.rl.checkpoint_every=2 --config.eval.after_sft=False
 --config.eval.k=1 --config.data.toy.eval_problems=32`, plus `--extra` flags), then
 compares: every file of each stage's HF export (bytes), every metrics row (every key
-but wall-clock ones: `time/*`, `*_s`, `*per_s`), and the evaluation reports (the same
-keys). Prints a table, writes --out as JSON.
+but wall-clock ones: `time/*`, `*_s`, `*per_s`), the evaluation reports (the same
+keys) and the evaluation tables each run printed (its stdout, <workdir>/runN.log).
+Prints a table, writes --out as JSON.
+
+--full: the config as it is (the README's main job: only `--config.workdir` and
+--extra flags, none of the shortening ones). --concurrent: both runs at once, so their
+timing differs (which requests share the engine, when tool calls come back).
+--reuse: compare two runs already in <workdir>/run0, run1 (started by hand with the
+command this prints, logs to <workdir>/run0.log, run1.log).
 
 --engine_table: the toy model (random weights) in a JaxEngine of the toy recipe's
 shape, one target request compared bit for bit with itself run alone, under each
@@ -42,6 +51,9 @@ flags.DEFINE_float("sft_epochs", 0.5, "SFT epochs per run")
 flags.DEFINE_multi_string("extra", [], "more --config.* flags for both runs")
 flags.DEFINE_boolean("engine_table", False, "print the engine table instead of running")
 flags.DEFINE_boolean("reuse", False, "compare runs already in --workdir (no new runs)")
+flags.DEFINE_boolean("full", False, "run the config untouched (the README's main job): no "
+                     "shortening flags, only --config.workdir and --extra")
+flags.DEFINE_boolean("concurrent", False, "start the two runs at once")
 flags.DEFINE_string("out", "/tmp/repro_check.json", "where the result goes as JSON")
 FLAGS = flags.FLAGS
 
@@ -52,6 +64,9 @@ _WALL_CLOCK = re.compile(r"(^time/|_s$|per_s$|seconds|elapsed|timestamp)")
 
 
 def _command(workdir: str) -> list[str]:
+  if FLAGS.full:
+    return [sys.executable, "-m", "experiments.recipe", f"--config={FLAGS.config}",
+            f"--config.workdir={workdir}", *FLAGS.extra]
   return [sys.executable, "-m", "experiments.recipe", f"--config={FLAGS.config}",
           f"--config.workdir={workdir}", f"--config.sft.epochs={FLAGS.sft_epochs}",
           f"--config.stage1.num_steps={FLAGS.steps}", "--config.stage2.num_steps=0",
@@ -86,9 +101,47 @@ def _digest_dir(path: str) -> str:
   return h.hexdigest()[:16]
 
 
+# An absl log line (stderr, in the same log as stdout): "I1127 06:39:53.841520 1405... ]".
+_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ ")
+
+
+def printed_tables(text: str) -> list[str]:
+  """The evaluation tables a recipe run printed (EvalReport.to_table) and its
+  "pass@1 after SFT ... -> final ..." line, from its log. stdout is block-buffered and
+  shares the file with stderr's log lines, so those may fall inside a table: they are
+  dropped first, and each table is then read by its shape (title, sampling line, rule,
+  rows, rule; then an optional per-source block: header, rule, rows, rule)."""
+  lines = [l.rstrip("\n") for l in text.splitlines() if not _LOG_LINE.match(l)]
+  out, i = [], 0
+  while i < len(lines):
+    line = lines[i]
+    if line.startswith("pass@1 after SFT "):
+      out.append(line)
+    if not (line.startswith("Evaluation") and i + 2 < len(lines)
+            and lines[i + 2] and set(lines[i + 2]) == {"-"}):
+      i += 1
+      continue
+    rule, j = lines[i + 2], i + 3
+    while j < len(lines) and lines[j] != rule:
+      j += 1
+    j += 1                                       # past the closing rule
+    if j + 1 < len(lines) and lines[j].startswith("source") and set(lines[j + 1]) == {"-"}:
+      dashes, j = lines[j + 1], j + 2
+      while j < len(lines) and lines[j] != dashes:
+        j += 1
+      j += 1
+    out.append("\n".join(lines[i:j]))
+    i = j
+  return out
+
+
 def _summary(workdir: str) -> dict[str, object]:
   """What a run produced that must not change between runs, by name."""
   out = {}
+  if os.path.exists(workdir + ".log"):
+    with open(workdir + ".log", errors="replace") as f:
+      # Line by line, so a difference is reported by its line.
+      out["stdout: evaluation tables"] = [t.splitlines() for t in printed_tables(f.read())]
   for stage in sorted(os.listdir(workdir)):
     d = os.path.join(workdir, stage)
     if os.path.isdir(os.path.join(d, "export")):
@@ -101,6 +154,9 @@ def _summary(workdir: str) -> dict[str, object]:
     if name.startswith("eval_") and name.endswith(".json") and "made_with" not in name:
       with open(os.path.join(workdir, name)) as f:
         out[name] = _strip(json.load(f))
+    if name.startswith("eval_") and name.endswith("_samples.jsonl"):   # every trajectory
+      with open(os.path.join(workdir, name), "rb") as f:
+        out[f"{name} sha256"] = hashlib.sha256(f.read()).hexdigest()[:16]
   return out
 
 
@@ -130,11 +186,15 @@ def _first_difference(a, b, where=""):
 def _headline(s: dict) -> dict[str, str]:
   """A few figures of a run to print beside the verdict."""
   out = {}
-  rl = s.get("stage1/metrics_rl.jsonl") or []
-  if rl:
-    out["stage1 last reward_mean"] = f"{rl[-1].get('rollout/reward_mean', float('nan')):.6f}"
-    out["stage1 last train/loss"] = repr(rl[-1].get("train/loss"))
-    out["stage1 step-1 logp_diff_mean_abs"] = repr(rl[0].get("train/logp_diff_mean_abs"))
+  for stage in ("stage1", "stage2", "stage3"):
+    rl = s.get(f"{stage}/metrics_rl.jsonl") or []
+    if rl:
+      out[f"{stage} last reward_mean"] = f"{rl[-1].get('rollout/reward_mean', float('nan')):.6f}"
+      out[f"{stage} last train/loss"] = repr(rl[-1].get("train/loss"))
+      if stage == "stage1":
+        out["stage1 step-1 logp_diff_mean_abs"] = repr(rl[0].get("train/logp_diff_mean_abs"))
+  if "stdout: evaluation tables" in s:      # equal and empty would prove nothing
+    out["printed evaluation tables"] = str(len(s["stdout: evaluation tables"]))
   for k, v in s.items():
     if k.startswith("eval_") and isinstance(v, dict):
       for key in ("pass@1", "pass_at_1", "accuracy", "mean_reward"):
@@ -143,29 +203,42 @@ def _headline(s: dict) -> dict[str, str]:
   return out
 
 
+def _wait(workdir: str, start: float, proc: subprocess.Popen, walls: list) -> None:
+  if proc.wait():
+    raise SystemExit(f"{workdir}: exit status {proc.returncode} (see {workdir}.log)")
+  walls.append(time.perf_counter() - start)
+  print(f"  {workdir}: {walls[-1] / 60:.1f} min", flush=True)
+
+
 def two_runs() -> dict:
   runs = [os.path.join(FLAGS.workdir, f"run{i}") for i in range(2)]
   walls = []
-  for w in runs:
-    if FLAGS.reuse:
-      continue
-    if os.path.exists(w):
-      raise SystemExit(f"{w} exists: give another --workdir (or --reuse to compare it)")
-    cmd = _command(w)
-    print("+", " ".join(cmd), flush=True)
-    t = time.perf_counter()
+  if not FLAGS.reuse:
+    for w in runs:
+      if os.path.exists(w):
+        raise SystemExit(f"{w} exists: give another --workdir (or --reuse to compare it)")
     os.makedirs(FLAGS.workdir, exist_ok=True)
-    with open(w + ".log", "w") as log:
-      subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    walls.append(time.perf_counter() - t)
-    print(f"  {w}: {walls[-1] / 60:.1f} min", flush=True)
+    procs = []
+    for w in runs:
+      cmd = _command(w)
+      print("+", " ".join(cmd), f"> {w}.log 2>&1", flush=True)
+      with open(w + ".log", "w") as log:
+        procs.append((w, time.perf_counter(),
+                      subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+      if not FLAGS.concurrent:
+        _wait(*procs[-1], walls)
+    if FLAGS.concurrent:
+      for p in procs:
+        _wait(*p, walls)
   a, b = (_summary(w) for w in runs)
   table = []
   for k in sorted(set(a) | set(b)):
     diff = _first_difference(a.get(k), b.get(k), k)
     table.append((k, diff is None, diff or ""))
-  print(f"\nTwo runs of {FLAGS.config} (stage 1: {FLAGS.steps} steps, SFT {FLAGS.sft_epochs} "
-        f"epochs), compared without wall-clock fields:")
+  what = ("the config untouched" if FLAGS.full else
+          f"stage 1: {FLAGS.steps} steps, SFT {FLAGS.sft_epochs} epochs")
+  print(f"\nTwo runs of {FLAGS.config} ({what}{', at once' if FLAGS.concurrent else ''}), "
+        f"compared without wall-clock fields:")
   for k, same, diff in table:
     print(f"  {'same' if same else 'DIFFERENT':<10} {k}" + (f"   first: {diff}" if diff else ""))
   ha, hb = _headline(a), _headline(b)

@@ -4,6 +4,10 @@ GFLOP/s and memory bandwidth, and XLA's own FLOP and byte counts of a compiled s
 A figure is only meaningful next to what the machine can do: `fraction = achieved /
 peak`, with the peak measured here and now (machines of one kind differ by 1.5x and
 more, and load changes them) rather than taken from a data sheet.
+
+  python -m experiments.roofline      # the fp32 1024^3 matmul peak, 5 rounds, and the load
+
+(the "measured matmul peak" that docs/results.md names beside each machine).
 """
 from __future__ import annotations
 
@@ -118,3 +122,26 @@ def train_flops(cfg, batch: int, seq: int) -> float:
   q = cfg.num_attention_heads * cfg.head_dim
   per_token = 6 * matmul_params(cfg) + 12 * cfg.num_hidden_layers * q * seq
   return float(per_token * batch * seq)
+
+
+def main(rounds: int = 5) -> None:
+  import os
+  import platform
+  cpu = platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  except OSError:
+    pass
+  load = os.getloadavg()[0]
+  peaks = [matmul_peak_gflops() for _ in range(rounds)]
+  print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu}, {os.cpu_count()} CPUs, "
+        f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+  print(f"fp32 1024^3 matmul peak, {rounds} rounds (each the median of 7): "
+        + ", ".join(f"{p:.0f}" for p in peaks)
+        + f" GFLOP/s; min {min(peaks):.0f}, median {statistics.median(peaks):.0f}, "
+        f"max {max(peaks):.0f}")
+
+
+if __name__ == "__main__":
+  main()
