@@ -180,8 +180,9 @@ if os.path.exists(ckpt):
   print("resumed FAKE from %s at step %d" % (ckpt, step), flush=True)
 open(os.path.join(work, "pid%d" % idx), "w").write(str(os.getpid()))
 while step < 12:
-  # Past step 6 only once the test has killed its victim: on a loaded host process 0
-  # (started first) could otherwise finish all 12 steps before process 1 reached step 3.
+  # Past step 6 only once the test has restarted the job after killing its victim: on a
+  # loaded host process 0 (started first) could otherwise finish all 12 steps before
+  # process 1 reached step 3, or save step 7 before the supervisor stopped it.
   while step == 6 and not os.path.exists(os.path.join(work, "go")):
     time.sleep(0.05)
   time.sleep(0.15)
@@ -229,6 +230,10 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
               "process 1's third step")
         result["pid0"] = int((work / "pid0").read_text())
         os.kill(int((work / "pid1").read_text()), signal.SIGKILL)
+        # Past step 6 only after the supervisor has restarted the job: released at the
+        # kill, a fast process 0 could save step 7 before the supervisor stopped it.
+        pid0 = lambda: (work / "pid0").read_text().strip()
+        _wait(lambda: pid0() not in ("", str(result["pid0"])), "process 0's restart")
         (work / "go").write_text("")
 
       import threading
