@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.test_recipe import (REPO, RL_ARGS, SMOKE, _assert_same_metrics, _copy_sft,  # noqa: F401
-                               _metrics, recipe_dir, straight_rl)
+                               _metrics, recipe_dir, straight_rl, straight_run)
 
 
 @pytest.mark.slow
