@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -41,14 +40,8 @@ ROLLOUT_S, UPDATE_S, SYNC_S = 850.0, 370.0, 130.0
 
 
 def host_info() -> dict:
-  model = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
-  except OSError:
-    pass
-  from experiments import roofline
-  return {"cpu_model": model, "cpus": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg()),
+  from experiments import results_json, roofline
+  return {"cpu_model": results_json.cpu_model(), "cpus": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg()),
           "matmul_peak_gflops": roofline.matmul_peak_gflops(),
           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

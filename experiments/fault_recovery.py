@@ -68,14 +68,9 @@ GB = 1e9
 
 
 def _machine() -> dict:
-  cpu = "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                          capture_output=True, text=True).stdout.strip()
+  from experiments import results_json
+  cpu = results_json.cpu_model()
+  commit = results_json.commit()
   dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                          capture_output=True, text=True).stdout.strip()
   return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -344,21 +344,11 @@ def engine_table() -> dict:
 
 
 def main(_):
-  import platform
-  cpu = platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
+  cpu = results_json.cpu_model()
   result = {"benchmark": "repro_check", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "cpu": cpu, "cpus": os.cpu_count()}
   print(f"{result['date']}, {cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-  try:
-    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip()
-  except OSError:
-    pass
+  result["commit"] = results_json.commit()
   if FLAGS.engine_table:
     result["engine_table"] = engine_table()
   else:

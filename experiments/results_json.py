@@ -31,7 +31,9 @@ def cpu_model() -> str:
 def commit() -> str:
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+                          text=True, check=True,   # the repository's, from any directory
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                          ).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 

@@ -126,13 +126,8 @@ def train_flops(cfg, batch: int, seq: int) -> float:
 
 def main(rounds: int = 5) -> None:
   import os
-  import platform
-  cpu = platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
+  from experiments import results_json
+  cpu = results_json.cpu_model()
   load = os.getloadavg()[0]
   peaks = [matmul_peak_gflops() for _ in range(rounds)]
   print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu}, {os.cpu_count()} CPUs, "
