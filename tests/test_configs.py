@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")
 CONFIGS = ["experiments/configs/toy.py", "experiments/configs/toy.py:smoke",
            "experiments/configs/toy_roc_ablation.py",
+           "experiments/configs/toy_async_ablation.py",
            "experiments/configs/rstar2_agent_14b.py"]
 
 
@@ -299,6 +300,26 @@ def test_roc_ablation_points_build():
     methods.add((cfg.rl.downsample.method, drawn, kept))
   # RoC and plain GRPO at the same compute (2G drawn, G kept), and G drawn only
   assert methods == {("roc", 8, 4), ("uniform", 8, 4), ("none", 4, 4)}
+
+
+def test_async_ablation_points_differ_only_in_staleness_and_seed():
+  from experiments.configs import toy_async_ablation as abl
+  spec = os.path.join(REPO, "experiments/configs/toy_async_ablation.py")
+  built = {}
+  for point in abl.get_sweep():
+    c = _load(spec)
+    c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
+    c.rl.async_rollouts.max_staleness = point["rl.async_rollouts.max_staleness"]
+    c.seed = point["seed"]
+    cfg = recipe.build_config(c)
+    assert not cfg.sft.enabled and cfg.stage1.num_steps == 40 and cfg.stage2.num_steps == 0
+    built[(cfg.rl.async_rollouts.max_staleness, cfg.seed)] = cfg
+  assert sorted(built) == [(k, s) for k in (0, 1, 2) for s in (0, 1, 2)]
+  # Everything else equal: the RL loss (the sampler's ratio), RoC, the steps.
+  base = built[(0, 0)]
+  for (k, seed), cfg in built.items():
+    assert cfg.rl.loss == base.rl.loss and cfg.rl.downsample == base.rl.downsample
+    assert cfg.rl.loss.off_policy == "behaviour" and cfg.rl.old_logprobs == "sampler"
 
 
 def test_toy_sft_rows_hold_every_trace_and_pack_densely(tmp_path):
