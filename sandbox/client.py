@@ -159,6 +159,22 @@ class SandboxClient:
   def urls(self) -> list[str]:
     return [s.url for s in self._servers]
 
+  def set_urls(self, urls: Sequence[str]) -> None:
+    """Server i now answers at `urls[i]` (it moved: a lost node's server re-created
+    elsewhere). Call it on the client's loop. A moved server starts afresh (up, no known
+    instance, no probe); requests in flight to its old URL fail as for a dead server."""
+    if len(urls) != len(self._servers):
+      raise ValueError(f"SandboxClient.set_urls: {len(urls)} URL(s) for "
+                       f"{len(self._servers)} server(s)")
+    for i, url in enumerate(urls):
+      if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"SandboxClient: server URL must start with http:// or https://, "
+                         f"got {url!r}")
+      if url.rstrip("/") != self._servers[i].url:
+        if self._servers[i].probe is not None:
+          self._servers[i].probe.cancel()
+        self._servers[i] = _Server(url)
+
   def servers_up(self) -> list[str]:
     return [s.url for s in self._servers if s.up]
 

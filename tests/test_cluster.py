@@ -276,29 +276,144 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     ray.shutdown()
 
 
+# A trainer process that runs a tool call every 0.2 s on the fleet's sandbox servers
+# through the real tools client (following the fleet file when it is given one), and
+# records each start's URLs and each call's URLs and status.
 _URL_TRAINER = '''
-import os, sys, time
+import ast, asyncio, json, os, sys, time
 work = os.environ["FAKE_TRAINER_WORK"]
-urls = next(a for a in sys.argv if a.startswith("--config.tools.urls="))
-open(os.path.join(work, "starts"), "a").write(urls + "\\n")
-while not os.path.exists(os.path.join(work, "done")):
-  time.sleep(0.1)
+arg = lambda k: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), "")
+urls, urls_file = ast.literal_eval(arg("--config.tools.urls")), arg("--config.tools.urls_file")
+open(os.path.join(work, "starts"), "a").write(json.dumps(list(urls)) + "\\n")
+from rstar_jax.rollout import chat
+from rstar_jax.rollout.tools import ToolsConfig, build_tools
+
+async def one(tools):
+  try:
+    return await tools.execute([chat.ParsedToolCall(name="python", code="print(7)", input="")])
+  finally:
+    await tools.release_loop()
+
+with build_tools(ToolsConfig(urls=tuple(urls), urls_file=urls_file, timeout_s=30)) as tools:
+  while not os.path.exists(os.path.join(work, "done")):
+    out = asyncio.run(one(tools))[0]
+    with open(os.path.join(work, "calls"), "a") as f:
+      f.write(json.dumps({"urls": tools.urls, "status": out["status"],
+                          "stdout": out.get("stdout", "")}) + "\\n")
+    time.sleep(0.2)
 '''
 
 
 @pytest.mark.slow
-def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls(tmp_path):
+@pytest.mark.parametrize("live", [True, False], ids=["live", "restart"])
+def test_a_lost_node_s_servers_move_and_the_trainer_follows_their_new_urls(tmp_path, live):
   """A real two-node Ray cluster on this machine (`ray start --head` and a second
   `ray start --address`, in its own process group): the second node has room for one
   sandbox server only. Killing that node's processes (its process group, by id) loses
-  the server's actor; the supervisor re-creates it on the head node under a new URL
-  and restarts the trainer job with the new URLs. The driver runs in a fresh process, so
-  that no Ray state of an earlier test in this process carries over."""
+  the server's actor; the supervisor re-creates it on the head node under a new URL.
+  live: the running trainer (real tools client, calling all along) follows the fleet
+  file and is never restarted; restart (`live_server_moves=False`): the trainer job is
+  restarted with the new URLs. The driver runs in a fresh process, so that no Ray state
+  of an earlier test in this process carries over."""
+  import json
+  out = _on_ray_nodes(tmp_path, _lose_a_server_node, _URL_TRAINER, head_cpus=3,
+                      node_cpus=(1,), live=live)
+  before, after = out["before"], out["after"]
+  assert out["codes"] == [0]
+  moved = [i for i in range(2) if before[i] != after[i]]
+  assert len(moved) == 1, (before, after)     # the second node held one server
+  assert out["healthy"] == [True, True]
+  starts = [json.loads(line) for line in out["starts"]]
+  calls = [json.loads(line) for line in out["calls"]]
+  assert calls and all(c["status"] == "ok" and c["stdout"].strip() == "7" for c in calls), calls
+  if live:
+    assert starts == [before] and out["restarts"] == [], (starts, out["restarts"])
+    assert calls[0]["urls"] == before and calls[-1]["urls"] == after
+    assert "the running trainer follows the new URLs" in out["log"], out["log"]
+  else:
+    assert starts == [before, after], starts
+    assert len(out["restarts"]) == 1 and "sandbox server" in out["restarts"][0]["cause"]
+
+
+@pytest.mark.slow
+def test_a_trainer_lost_with_its_node_is_replaced_on_another_and_resumes(tmp_path):
+  """Two worker nodes with room for the trainer (2 CPUs each; the head has 1): the node
+  that holds the trainer process (found by its process group) is killed mid-run. The
+  supervisor sees the trainer's actor lost, re-creates it on the placement group's bundle
+  (which Ray re-places on the other node), and the job resumes from its checkpoint and
+  ends with the uninterrupted run's result."""
+  out = _on_ray_nodes(tmp_path, _lose_the_trainer_s_node, _RESUMING_TRAINER, head_cpus=1,
+                      node_cpus=(2, 2))
+  assert out["codes"] == [0], out
+  assert out["moved_to"] != out["held_by"], out
+  assert len(out["restarts"]) == 1, out["restarts"]
+  r = out["restarts"][0]
+  assert r["cause"] == "trainer 0 lost (its actor or node is gone)", r
+  assert 3 <= r["resumed_step"] <= 6, r
+  assert out["final"] == _uninterrupted(0)
+  assert f"restart 1 resumed from step {r['resumed_step']}" in out["log"], out["log"]
+
+
+def _lose_the_trainer_s_node(tmp_path, work, nodes) -> dict:
+  import json
+  import signal
+  import threading
+  cfg = cluster.ClusterConfig(
+      sandbox_servers=0, rollout_servers=0, trainer_processes=1, trainer_cpus=2.0,
+      trainer_module="fake_trainer", trainer_config="none.py", restart_backoff_s=0.1,
+      log_dir=str(tmp_path / "logs"), startup_timeout_s=120)
+  fleet = cluster.Cluster(cfg)
+  out = {}
+  pid = lambda: (work / "pid0").read_text().strip() if (work / "pid0").exists() else ""
+  holder = lambda p: _node_of(int(p), nodes)
+  try:
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault(
+        "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+    runner.start()
+    _wait(lambda: (work / "ckpt0.json").exists()
+          and json.loads((work / "ckpt0.json").read_text())[0] >= 3, "the third step")
+    first = pid()
+    out["held_by"] = holder(first)
+    os.killpg(nodes[out["held_by"]].pid, signal.SIGKILL)   # the node and all it ran
+    _wait(lambda: pid() not in ("", first), "the trainer's start on the other node")
+    out["moved_to"] = holder(pid())
+    (work / "go").write_text("")                  # past step 6 only after the restart
+    runner.join(120)
+    out["codes"] = result.get("codes")
+    out["restarts"] = fleet.restarts
+    out["final"] = (work / "final0").read_text() if (work / "final0").exists() else None
+    out["log"] = (tmp_path / "logs" / "cluster.log").read_text()
+  finally:
+    fleet.shutdown()
+  return out
+
+
+def _node_of(pid: int, nodes) -> int:
+  """Which of `nodes` (`ray start --block` processes) runs `pid`: the one among its
+  ancestors (node -> raylet -> worker -> the trainer it started)."""
+  pids = {n.pid: i for i, n in enumerate(nodes)}
+  while pid > 1:
+    if pid in pids:
+      return pids[pid]
+    with open(f"/proc/{pid}/stat") as f:
+      pid = int(f.read().rsplit(")", 1)[1].split()[1])
+  raise AssertionError("the process runs on none of the worker nodes")
+
+
+def _on_ray_nodes(tmp_path, scenario, trainer_src: str, *, head_cpus: int,
+                  node_cpus: tuple[int, ...], **kwargs) -> dict:
+  """`scenario(tmp_path, work, nodes, **kwargs) -> dict` against a real multi-node Ray
+  cluster on this machine: `ray start --head` with `head_cpus`, and one `ray start
+  --address ... --block` per entry of `node_cpus`, each in its own process group (killed
+  by its id, as a lost node). The fake trainer module is `trainer_src`. The driver runs in
+  a fresh process, so that no Ray state of an earlier test in this process carries over."""
   pytest.importorskip("ray")
   import multiprocessing
   ctx = multiprocessing.get_context("spawn")
   queue = ctx.Queue()
-  proc = ctx.Process(target=_lost_node_run, args=(str(tmp_path), queue))
+  proc = ctx.Process(target=_ray_nodes_main, args=(str(tmp_path), queue, scenario,
+                                                   trainer_src, head_cpus, node_cpus, kwargs))
   proc.start()
   try:
     out = queue.get(timeout=400)
@@ -307,32 +422,24 @@ def test_a_lost_node_s_servers_move_and_the_trainer_restarts_with_their_new_urls
     if proc.is_alive():
       proc.kill()
   assert "error" not in out, out.get("error")
-  before, after = out["before"], out["after"]
-  assert out["codes"] == [0]
-  moved = [i for i in range(2) if before[i] != after[i]]
-  assert len(moved) == 1, (before, after)     # the second node held one server
-  assert out["healthy"] == [True, True]
-  starts = out["starts"]
-  assert len(starts) == 2 and all(u in starts[1] for u in after)
-  assert before[moved[0]] not in starts[1]
-  assert len(out["restarts"]) == 1 and "sandbox server" in out["restarts"][0]["cause"]
+  return out
 
 
-def _lost_node_run(tmp: str, queue) -> None:
+def _ray_nodes_main(tmp: str, queue, scenario, trainer_src, head_cpus, node_cpus,
+                    kwargs) -> None:
   import pathlib
   import shutil
   import signal
   import subprocess
   import sys
   import tempfile
-  import threading
   import traceback
   # A local ray.init earlier in the parent turned token authentication on in its
   # environment (inherited here); this cluster runs without, as a local ray.init's own.
   os.environ["RAY_AUTH_MODE"] = "disabled"
   import ray
   tmp_path = pathlib.Path(tmp)
-  (tmp_path / "fake_trainer.py").write_text(_URL_TRAINER)
+  (tmp_path / "fake_trainer.py").write_text(trainer_src)
   work = tmp_path / "work"
   work.mkdir()
   temp = tempfile.mkdtemp(prefix="r", dir="/tmp")    # short: Ray's socket paths
@@ -343,56 +450,80 @@ def _lost_node_run(tmp: str, queue) -> None:
              RAY_health_check_period_ms="500",
              RAY_health_check_failure_threshold="4", RAY_health_check_timeout_ms="500")
   env.pop("RAY_ADDRESS", None)
-  second = None
+  nodes = []
   out = {}
   try:
-    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=3",
-                           "--include-dashboard=false", f"--temp-dir={temp}",
-                           "--disable-usage-stats"], env=env, capture_output=True, text=True)
+    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}",
+                           f"--num-cpus={head_cpus}", "--include-dashboard=false",
+                           f"--temp-dir={temp}", "--disable-usage-stats"],
+                          env=env, capture_output=True, text=True)
     assert head.returncode == 0, head.stderr
     address = f"127.0.0.1:{port}"
-    second = subprocess.Popen([ray_bin, "start", f"--address={address}", "--num-cpus=1",
-                               "--block", "--disable-usage-stats"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
     ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work)}})
-    _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node")
-    cfg = cluster.ClusterConfig(
-        sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
-        trainer_cpus=1.0, trainer_module="fake_trainer", trainer_config="none.py",
-        restart_backoff_s=0.1, log_dir=str(tmp_path / "logs"), startup_timeout_s=120)
-    fleet = cluster.Cluster(cfg)
-    try:
-      out["before"] = list(fleet.sandbox_urls)
-      result = {}
-      runner = threading.Thread(target=lambda: result.setdefault(
-          "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
-      runner.start()
-      _wait(lambda: (work / "starts").exists(), "the trainer's start")
-      os.killpg(second.pid, signal.SIGKILL)           # the second node and all it ran
-      _wait(lambda: len((work / "starts").read_text().splitlines()) == 2,
-            "the trainer's restart with the moved server")
-      (work / "done").write_text("")
-      runner.join(60)
-      out["after"] = list(fleet.sandbox_urls)
-      out["codes"] = result.get("codes")
-      out["healthy"] = [cluster._healthy(u) for u in out["after"]]
-      out["starts"] = (work / "starts").read_text().splitlines()
-      out["restarts"] = fleet.restarts
-    finally:
-      fleet.shutdown()
+    for cpus in node_cpus:   # one at a time: two starting at once on 2 busy cores can miss
+      nodes.append(subprocess.Popen([ray_bin, "start", f"--address={address}",  # health checks
+                                     f"--num-cpus={cpus}", "--block", "--disable-usage-stats"],
+                                    env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True))
+      _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 1 + len(nodes), "a node")
+    out = scenario(tmp_path, work, nodes, **kwargs)
   except BaseException:  # noqa: BLE001 - reported to the test
     out["error"] = traceback.format_exc()
   finally:
     try:
       ray.shutdown()
     finally:
-      if second is not None and second.poll() is None:
-        os.killpg(second.pid, signal.SIGKILL)
+      for node in nodes:
+        if node.poll() is None:
+          os.killpg(node.pid, signal.SIGKILL)
       _stop_head(temp)
       shutil.rmtree(temp, ignore_errors=True)
       queue.put(out)
+
+
+def _lose_a_server_node(tmp_path, work, nodes, live: bool) -> dict:
+  import json
+  import signal
+  import threading
+  cfg = cluster.ClusterConfig(
+      sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
+      trainer_cpus=1.0, trainer_module="fake_trainer", trainer_config="none.py",
+      restart_backoff_s=0.1, log_dir=str(tmp_path / "logs"), startup_timeout_s=120,
+      live_server_moves=live)
+  fleet = cluster.Cluster(cfg)
+  out = {}
+  try:
+    out["before"] = list(fleet.sandbox_urls)
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault(
+        "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+    runner.start()
+    _wait(lambda: (work / "starts").exists(), "the trainer's start")
+    _wait(lambda: (work / "calls").exists(), "the trainer's first tool call")
+    os.killpg(nodes[0].pid, signal.SIGKILL)         # the second node and all it ran
+    if live:
+      _wait(lambda: fleet.sandbox_urls != out["before"], "the server's move")
+      new = json.dumps(fleet.sandbox_urls)
+      _wait(lambda: any(f'"urls": {new}' in line
+                        for line in (work / "calls").read_text().splitlines()[-3:]),
+            "a tool call of the running trainer at the new URLs")
+    else:
+      _wait(lambda: len((work / "starts").read_text().splitlines()) == 2,
+            "the trainer's restart with the moved server")
+      _wait(lambda: len((work / "calls").read_text().splitlines()) > 3, "calls")
+    (work / "done").write_text("")
+    runner.join(60)
+    out["after"] = list(fleet.sandbox_urls)
+    out["codes"] = result.get("codes")
+    out["healthy"] = [cluster._healthy(u) for u in out["after"]]
+    out["starts"] = (work / "starts").read_text().splitlines()
+    out["calls"] = (work / "calls").read_text().splitlines()
+    out["restarts"] = fleet.restarts
+    out["log"] = (tmp_path / "logs" / "cluster.log").read_text()
+  finally:
+    fleet.shutdown()
+  return out
 
 
 def _stop_head(temp):

@@ -56,6 +56,11 @@ class ClusterConfig:
     restart_backoff_s / restart_backoff_max_s: the wait before restarting the trainer
       job, doubled for each restart already within the window, at most the max (a
       crashing job does not hammer shared storage or the coordinator).
+    live_server_moves: a server re-created under a new URL (its node lost) is handed to
+      the running trainer: the supervisor rewrites `<log_dir>/fleet.json`
+      (`rollout.fleet_file`), which the trainer's clients watch (`tools.urls_file`,
+      `rollout.servers_file`), so no step is lost. Keep `log_dir` on storage that
+      trainer process 0's node reads. Off: the trainer job restarts with the new URLs.
     hang_timeout_s: a server whose /health has not answered for this long is killed and
       restarted like one that exited (0: never). Keep it above a weight update's
       length: SGLang's /health generates a token, which waits while it loads a checkpoint
@@ -86,6 +91,7 @@ class ClusterConfig:
   restart_window_s: float = 3600.0
   restart_backoff_s: float = 10.0
   restart_backoff_max_s: float = 600.0
+  live_server_moves: bool = True
   hang_timeout_s: float = 1800.0
   log_dir: str = "/tmp/rstar_cluster"
   startup_timeout_s: float = 300.0
@@ -417,6 +423,19 @@ class Cluster:
         counts[role] += 1
     self.info = {role: ray.get([a.info.remote() for a in actors])
                  for role, actors in self.servers.items()}
+    self._fleet_generation = 0
+    if cfg.live_server_moves:
+      self._write_fleet()
+
+  @property
+  def fleet_file(self) -> str:
+    """Where the running trainer reads the servers' current URLs."""
+    return os.path.join(self.cfg.log_dir, "fleet.json")
+
+  def _write_fleet(self) -> None:
+    from rstar_jax.rollout.fleet_file import write_fleet
+    write_fleet(self.fleet_file, {"sandbox": self.sandbox_urls, "rollout": self.rollout_urls},
+                self._fleet_generation)
 
   @property
   def sandbox_urls(self) -> list[str]:
@@ -434,11 +453,16 @@ class Cluster:
   def trainer_overrides(self, coordinator: str = "") -> list[str]:
     """The config overrides that point a trainer at the fleet."""
     out = []
+    live = self.cfg.live_server_moves
     if self.sandbox_urls:
       out.append(f"--config.tools.urls={_tuple_text(self.sandbox_urls)}")
+      if live:
+        out.append(f"--config.tools.urls_file={self.fleet_file}")
     if self.rollout_urls:
       out += [f"--config.rollout.backend={self.cfg.rollout_backend}",
               f"--config.rollout.servers={_tuple_text(self.rollout_urls)}"]
+      if live:
+        out.append(f"--config.rollout.servers_file={self.fleet_file}")
     if coordinator:
       out.append(f"--config.distributed.coordinator_address={coordinator}")
     return out
@@ -463,7 +487,9 @@ class Cluster:
   def replace_lost_servers(self) -> list[str]:
     """Re-creates every server actor that is gone (its node died: a server process that
     merely exits is restarted by its own actor) on the placement group's bundle, which
-    Ray re-places on the remaining nodes, and records its new URL. Returns what changed."""
+    Ray re-places on the remaining nodes, and records its new URL (and, with
+    `live_server_moves`, rewrites the fleet file the trainer watches). Returns what
+    changed."""
     import ray
     changed = []
     for role, actors in self.servers.items():
@@ -482,6 +508,11 @@ class Cluster:
         changed.append(f"{role} server {i} lost (its actor or node is gone): was {old}, now "
                        f"{self.info[role][i]['url']}")
         self._note(changed[-1])
+    if changed and self.cfg.live_server_moves:
+      self._fleet_generation += 1
+      self._write_fleet()
+      self._note(f"fleet file {self.fleet_file} rewritten (generation "
+                 f"{self._fleet_generation}): the running trainer follows the new URLs")
     return changed
 
   def _poll_trainers(self) -> list[int | str | None]:
@@ -492,7 +523,9 @@ class Cluster:
     for a in self.trainers:
       try:
         out.append(ray.get(a.poll.remote(), timeout=60))
-      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+      # Also a plain Exception: submitting to an actor that Ray no longer knows raises
+      # "Can't find actor" (poll() itself raises nothing).
+      except Exception:  # noqa: BLE001
         out.append("lost")
     return out
 
@@ -517,8 +550,9 @@ class Cluster:
     restarted: it would fail the same way.
 
     Every `server_check_s` seconds the servers' actors are checked: one gone with its
-    node is re-created on the remaining nodes (`replace_lost_servers`) and, since its URL
-    changed, the trainer job is restarted as above with the new URLs."""
+    node is re-created on the remaining nodes (`replace_lost_servers`) under a new URL,
+    which the running trainer takes from the fleet file (`live_server_moves`; without it
+    the trainer job is restarted as above with the new URLs)."""
     import ray
     cfg = self.cfg
     deadline = None if not timeout else time.monotonic() + timeout
@@ -531,6 +565,8 @@ class Cluster:
       if server_check_s and time.monotonic() >= next_server_check:
         moved = self.replace_lost_servers()
         next_server_check = time.monotonic() + server_check_s
+        if cfg.live_server_moves:
+          moved = []      # handed to the running trainer: nothing to restart for
       if self.restarts and self.restarts[-1]["resumed_step"] is None:
         self._note_resumed()
       if all(c == 0 for c in codes):

@@ -222,6 +222,7 @@ def _mark_done(workdir: str, stage: str, summary: dict) -> None:
 # the RL stages of a run whose SFT ran in-process go to servers (cluster_toy.py).
 _LAUNCH_KEYS = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
                 "distributed", "tools.urls", "rollout.servers", "rollout.backend",
+                "tools.urls_file", "rollout.servers_file",
                 # How often a run saves and how many it keeps, and how the HTTP client
                 # waits and retries: nothing the run computes depends on them (and freeing
                 # disk mid-run should not need allow_config_change).

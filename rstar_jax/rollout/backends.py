@@ -42,6 +42,10 @@ class RolloutConfig:
     client: the HTTP client of those servers (time limits, retries, probing, the pause
       mode of weight updates; `sglang_transport.ClientConfig`); `client.require_deterministic`
       refuses servers not running SGLang's deterministic inference.
+    servers_file: a fleet file (`rollout.fleet_file`) that a cluster supervisor rewrites
+      when a server moves to a new URL (its node lost); watched while the pool runs, and
+      server i's engine follows the file's i-th "rollout" URL, catching the server up to
+      the latest weights. Empty: the URLs are fixed.
   """
   backend: str = "jax"
   num_engines: int = 1
@@ -50,6 +54,7 @@ class RolloutConfig:
   servers: tuple[str, ...] = ()
   weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
   client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+  servers_file: str = ""
 
   def __post_init__(self):
     BACKENDS.lookup(self.backend)            # raises naming the known backends
@@ -63,6 +68,10 @@ class RolloutConfig:
     bad = [u for u in self.servers if not u.startswith(("http://", "https://"))]
     if bad:
       raise ValueError(f"RolloutConfig.servers: not http(s) URLs: {bad}")
+    if self.servers_file and self.backend not in _HTTP_BACKENDS:
+      raise ValueError(f"RolloutConfig.servers_file is set but rollout.backend="
+                       f"{self.backend!r} has no servers to move; use it with 'server' or "
+                       f"'sglang'")
 
 
 @BACKENDS.register("jax")
@@ -100,4 +109,13 @@ def build_engine_pool(cfg: RolloutConfig, model=None, *, workdir: str | None = N
     directory = cfg.weight_sync.dir or (os.path.join(workdir, "weight_sync") if workdir else "")
     if directory:
       sync = DiskWeightSync(cfg.weight_sync, model, engines, directory)
-  return scheduler.EnginePool(engines, policy=cfg.scheduler_policy, weight_sync=sync)
+  watcher = None
+  if cfg.servers_file:
+    from rstar_jax.rollout.fleet_file import FleetWatcher
+
+    def move(urls):
+      for engine, url in zip(engines, urls):
+        engine.move_to(url)
+    watcher = FleetWatcher(cfg.servers_file, "rollout", move, current=cfg.servers)
+  return scheduler.EnginePool(engines, policy=cfg.scheduler_policy, weight_sync=sync,
+                              watcher=watcher)

@@ -97,14 +97,17 @@ class EnginePool:
   name = "pool"
 
   def __init__(self, engines: Sequence[Engine], policy: str = "kv_capacity", *,
-               weight_sync=None):
+               weight_sync=None, watcher=None):
     """`weight_sync`: for engines that read weights from disk (HTTP servers), an object
     whose `publish(params, version)` moves them onto new parameters
-    (`rollout.weight_sync.DiskWeightSync`); None: `engine.update_weights` each."""
+    (`rollout.weight_sync.DiskWeightSync`); None: `engine.update_weights` each.
+    `watcher`: what moves the engines to new server URLs (`fleet_file.FleetWatcher`),
+    stopped with the pool."""
     if not engines:
       raise ValueError("EnginePool needs at least one engine")
     self.engines = list(engines)
     self.weight_sync = weight_sync
+    self.watcher = watcher
     self.policy_name = policy
     self._pick = get_policy(policy)
     self.metrics: dict[str, collections.Counter] = {
@@ -149,6 +152,8 @@ class EnginePool:
     return dict(self.weight_sync.last) if self.weight_sync is not None else {}
 
   def stop(self) -> None:
+    if self.watcher is not None:
+      self.watcher.stop()
     for e in self.engines:
       e.stop()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from typing import Any, Mapping, Sequence
 
 from rstar_jax.rollout.engine import GenerationRequest
@@ -130,6 +131,27 @@ class SGLangEngine(SGLangTransport, SGLangAdmin):
         f"that the servers read), or call "
         f"rstar_jax.rollout.sglang_admin.update_weights_from_disk(engines, dir, version) "
         f"(pause -> /update_weights_from_disk -> continue -> /model_info confirms).")
+
+  def move_to(self, url: str) -> None:
+    """The server behind this engine now answers at `url` (its node was lost and it was
+    re-created elsewhere: `rollout.fleet_file`). Thread-safe. The engine leaves rotation at
+    once, its requests in flight go to the other servers (the old process is gone with
+    its node: none of them can still answer), and the probe finds the server at the new
+    URL, checks it as at connect, catches it up to the latest weights and returns it to
+    rotation. The engine keeps its name (the pool's metrics are keyed by it)."""
+    if not url.startswith(("http://", "https://")):
+      raise ValueError(f"{self.name}: not an http(s) URL: {url!r}")
+    url = url.rstrip("/")
+    if url != self.url and not self._stopped:
+      self.group.io.call(self._move(url), timeout=60)
+
+  async def _move(self, url: str) -> None:
+    old, self.url = self.url, url
+    self.weight_version = None    # a new process: it holds its start-up checkpoint
+    self._others_used = 0
+    self.alive = True             # so that leaving rotation is logged with the reason
+    self._mark_dead(f"moved from {old} to {url}", silent=True)
+    self._next_probe = time.monotonic()   # look for it now, not a probe interval later
 
   def stop(self) -> None:
     if self._stopped:

@@ -33,6 +33,10 @@ class ToolsConfig:
       first run left nothing behind, so this only costs time; off, such a call comes
       back as an internal error in the trajectory (the sandbox client's strict
       never-started-twice promise).
+    urls_file: a fleet file (`rollout.fleet_file`) that a cluster supervisor rewrites
+      when a sandbox server moves to a new URL (its node lost); watched while the tools
+      are open, and the client follows the file's "sandbox" URLs from its next call on.
+      Empty: the URLs are fixed.
   """
   backend: str = "sandbox"
   urls: tuple[str, ...] = ()
@@ -41,6 +45,7 @@ class ToolsConfig:
   max_concurrency: int = 64
   batch_size: int = 16
   rerun_lost_calls: bool = True
+  urls_file: str = ""
 
   def __post_init__(self):
     TOOL_BACKENDS.lookup(self.backend)
@@ -52,6 +57,9 @@ class ToolsConfig:
     bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
     if bad:
       raise ValueError(f"ToolsConfig.urls: not http(s) URLs: {bad}")
+    if self.urls_file and not self.urls:
+      raise ValueError("ToolsConfig.urls_file is set but tools.urls is empty: the file moves "
+                       "the servers given in tools.urls (a local server never moves)")
 
 
 TOOL_BACKENDS: Registry = Registry("tool backend")
@@ -71,7 +79,7 @@ class SandboxTools:
 
   def __init__(self, urls: Sequence[str] | str, *, timeout_s: float = 5.0,
                max_concurrency: int = 64, batch_size: int = 16, rerun_lost: bool = True):
-    self.urls = [urls] if isinstance(urls, str) else list(urls)
+    self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
     if not self.urls:
       raise ValueError("SandboxTools: no sandbox server URL given")
     self.timeout_s = timeout_s
@@ -85,7 +93,20 @@ class SandboxTools:
     key = id(loop)
     if key not in self._clients:
       self._clients = {key: SandboxClient(self.urls, **self._kw)}  # drop clients of dead loops
-    return self._clients[key]
+    client = self._clients[key]
+    if client.urls != self.urls:      # moved meanwhile (set_urls, from another thread)
+      client.set_urls(self.urls)
+    return client
+
+  def set_urls(self, urls: Sequence[str]) -> None:
+    """Server i now answers at `urls[i]` (a moved server). Thread-safe: the loop's client
+    takes the new list at its next call; calls in flight to a moved server are lost with
+    it and, with `rerun_lost`, run again on another."""
+    urls = [u.rstrip("/") for u in urls]
+    if len(urls) != len(self.urls):
+      raise ValueError(f"SandboxTools.set_urls: {len(urls)} URL(s) for {len(self.urls)} "
+                       f"server(s)")
+    self.urls = urls
 
   async def execute(self, calls: Sequence[chat.ParsedToolCall]) -> list[Mapping[str, Any]]:
     from sandbox.schema import Call
@@ -112,7 +133,16 @@ def _sandbox(cfg: ToolsConfig) -> Iterator[SandboxTools]:
   kw = dict(timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
             batch_size=cfg.batch_size, rerun_lost=cfg.rerun_lost_calls)
   if cfg.urls:
-    yield SandboxTools(list(cfg.urls), **kw)
+    tools = SandboxTools(list(cfg.urls), **kw)
+    if not cfg.urls_file:
+      yield tools
+      return
+    from rstar_jax.rollout.fleet_file import FleetWatcher
+    watcher = FleetWatcher(cfg.urls_file, "sandbox", tools.set_urls, current=tools.urls)
+    try:
+      yield tools
+    finally:
+      watcher.stop()
     return
   from sandbox.launcher import running_server
   with running_server(max_children=cfg.local_max_children) as url:

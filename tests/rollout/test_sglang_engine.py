@@ -642,3 +642,46 @@ def test_one_failing_request_leaves_the_servers_other_requests_running(fakes):
   finally:
     ea.stop()
     eb.stop()
+
+
+def test_a_server_moved_through_the_fleet_file_rejoins_at_its_new_url_with_the_latest_weights(
+    fakes, tmp_path):
+  """`rollout.servers_file`: server b's node is lost while a request runs on it, and the
+  supervisor re-creates it at a new URL (c, started from the initial checkpoint) and
+  rewrites the fleet file. The pool's engine for b follows: the request in flight goes
+  to another server, and b's engine finds the server at c, catches it up to the version published
+  before the move, and serves from there, all without a new pool (no trainer restart)."""
+  from rstar_jax.rollout import backends
+  from rstar_jax.rollout.fleet_file import write_fleet
+  a, b, c = fakes(), fakes(), fakes()
+  fleet = str(tmp_path / "fleet.json")
+  write_fleet(fleet, {"rollout": [a.url, b.url]}, 0)
+  pool = backends.build_engine_pool(backends.RolloutConfig(
+      backend="sglang", servers=(a.url, b.url), servers_file=fleet, client=FAST))
+  ea, eb = pool.engines
+  try:
+    sglang_admin.update_weights_from_disk(pool.engines, "/ckpt/v1", "v1")
+    assert a.weight_version == b.weight_version == "v1" and c.weight_version == "default"
+    b.hang = {"/generate"}            # b's node is about to vanish with this request
+    box = {}
+    worker = threading.Thread(target=lambda: box.setdefault("out", run(eb.generate(REQ))))
+    worker.start()
+    _until(lambda: b.generates() == 1)
+    write_fleet(fleet, {"rollout": [a.url, c.url]}, 1)
+    worker.join(60)
+    assert box["out"].server in (a.url, c.url)   # a, or c once back in rotation
+    _until(lambda: eb.alive and eb.url == c.url)
+    assert c.weight_version == "v1" and c.model_path == "/ckpt/v1"
+    # c served nothing before it held the published weights.
+    routes = [r for r, _ in c.calls]
+    assert "/generate" not in routes[:routes.index("/update_weights_from_disk")]
+    assert pool.watcher.moves == 1 and ea.url == a.url and eb.name.endswith(b.url[7:])
+    b.healthy = False
+    out = run(eb.generate(REQ))
+    assert out.server == c.url and b.generates() == 1
+    # A file that changes the number of servers is refused: the URLs stay.
+    write_fleet(fleet, {"rollout": [a.url]}, 2)
+    assert not pool.watcher.check() and [e.url for e in pool.engines] == [a.url, c.url]
+  finally:
+    pool.stop()
+  assert not pool.watcher._thread.is_alive()
