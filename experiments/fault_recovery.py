@@ -15,9 +15,10 @@ What a fault costs on this machine, and how often the 14B run should checkpoint
      restarted process has restored its checkpoint ("resumed ... at step") and until it
      has logged the step it was in when killed (the work the fault cost);
   4. node: a two-node Ray cluster on this machine (the second node holding one sandbox
-     server); the second node's processes SIGKILLed, timed until the trainer job runs
-     again with the moved server's new URL (Ray's node health check at 500 ms x 4,
-     `server_check_s=1`);
+     server); the second node's processes SIGKILLed, timed until the running trainer's
+     tool call succeeds at the moved server's new URL (the fleet file,
+     `live_server_moves`), and, with it off, until the trainer job runs again with that
+     URL (Ray's node health check at 500 ms x 4, `server_check_s=1`);
   5. checkpoint cadence: the toy RL stage (`--steps` steps from one SFT export) with
      `rl.checkpoint_every` 1, `--every_n` and never (only the stage's final save),
      interleaved; the step interval is the time between metrics rows (it includes the
@@ -32,6 +33,7 @@ Prints one table and writes the JSON (date, commit, CPU model, `uptime` load bef
 after). On a shared 2-core machine the absolute times move with the load: compare the
 rows of one run.
 """
+import json
 import math
 import multiprocessing
 import os
@@ -267,20 +269,38 @@ def part_real_trainer(root: str, sft: str, steps: int) -> dict:
 
 
 # ---- 4. a lost node -------------------------------------------------------------------
+# Runs a tool call every 0.05 s through the real tools client (following the fleet file
+# when given one) and logs the URLs each call saw.
 _URL_TRAINER = '''
-import os, sys, time
+import ast, asyncio, json, os, sys, time
 work = os.environ["FAULT_BENCH_WORK"]
-urls = next(a for a in sys.argv if a.startswith("--config.tools.urls="))
+arg = lambda k: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), "")
+urls, urls_file = ast.literal_eval(arg("--config.tools.urls")), arg("--config.tools.urls_file")
 with open(os.path.join(work, "starts"), "a") as f:
-  f.write(urls + "\\n")
-while not os.path.exists(os.path.join(work, "done")):
-  time.sleep(0.05)
+  f.write(json.dumps(list(urls)) + "\\n")
+from rstar_jax.rollout import chat
+from rstar_jax.rollout.tools import ToolsConfig, build_tools
+
+async def one(tools):
+  try:
+    return await tools.execute([chat.ParsedToolCall(name="python", code="print(7)", input="")])
+  finally:
+    await tools.release_loop()
+
+with build_tools(ToolsConfig(urls=tuple(urls), urls_file=urls_file, timeout_s=30)) as tools:
+  while not os.path.exists(os.path.join(work, "done")):
+    status = asyncio.run(one(tools))[0]["status"]
+    with open(os.path.join(work, "calls"), "a") as f:
+      f.write(json.dumps({"urls": tools.urls, "status": status}) + "\\n")
+    time.sleep(0.05)
 '''
 
 
-def _node_run(tmp: str, queue) -> None:
+def _node_run(tmp: str, queue, live: bool) -> None:
   """In a fresh process (no Ray state of the parts before): a head node and a second
-  node (own process group) with room for one sandbox server; the second node SIGKILLed."""
+  node (own process group) with room for one sandbox server; the second node SIGKILLed.
+  live: until the running trainer's tool call succeeds at the moved server's new URL
+  (the fleet file); else until the trainer job restarted with it."""
   import traceback
   os.environ["RAY_AUTH_MODE"] = "disabled"
   import ray
@@ -314,16 +334,24 @@ def _node_run(tmp: str, queue) -> None:
     cfg = cluster.ClusterConfig(
         sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
         trainer_cpus=1.0, trainer_module="fault_bench_urls", trainer_config="none.py",
-        restart_backoff_s=0.0, log_dir=os.path.join(tmp, "logs"), startup_timeout_s=300)
+        restart_backoff_s=0.0, log_dir=os.path.join(tmp, "logs"), startup_timeout_s=300,
+        live_server_moves=live)
     fleet = cluster.Cluster(cfg)
     starts = os.path.join(work, "starts")
     try:
       runner = threading.Thread(target=lambda: fleet.run_trainers(server_check_s=1.0))
       runner.start()
-      _wait(lambda: os.path.exists(starts), "the trainer's start")
+      calls = os.path.join(work, "calls")
+      _wait(lambda: os.path.exists(calls), "the trainer's first tool call")
+      before = fleet.sandbox_urls
       os.killpg(second.pid, signal.SIGKILL)           # the second node and all it ran
       t0 = time.perf_counter()
-      _wait(lambda: len(open(starts).read().splitlines()) == 2, "the restart with new URLs")
+      if live:
+        _wait(lambda: fleet.sandbox_urls != before, "the server's move")
+        moved = json.dumps({"urls": fleet.sandbox_urls, "status": "ok"})
+        _wait(lambda: moved in open(calls).read(), "a call at the new URLs")
+      else:
+        _wait(lambda: len(open(starts).read().splitlines()) == 2, "the restart with new URLs")
       out["recovery_s"] = time.perf_counter() - t0
       open(os.path.join(work, "done"), "w").close()
       runner.join()
@@ -357,22 +385,23 @@ def _stop_ray(temp: str) -> None:
         pass
 
 
-def part_node(root: str, repeats: int) -> list[float]:
+def part_node(root: str, repeats: int, live: bool) -> list[float]:
   ctx = multiprocessing.get_context("spawn")
   out = []
   for r in range(repeats):
-    tmp = os.path.join(root, f"node{r}")
+    tmp = os.path.join(root, f"node{r}{'live' if live else 'restart'}")
     os.makedirs(tmp)
     queue = ctx.Queue()
-    proc = ctx.Process(target=_node_run, args=(tmp, queue))
+    proc = ctx.Process(target=_node_run, args=(tmp, queue, live))
     proc.start()
     res = queue.get()
     proc.join()
     if "error" in res:
       raise RuntimeError(res["error"])
     out.append(res["recovery_s"])
-    print(f"  node lost (holding a sandbox server) -> trainer running with the new URL: "
-          f"{out[-1]:.2f} s ({'; '.join(res['restarts'])})")
+    what = ("the running trainer's call at the new URL" if live else
+            f"the trainer job restarted with the new URL ({'; '.join(res['restarts'])})")
+    print(f"  node lost (holding a sandbox server) -> {what}: {out[-1]:.2f} s")
   return out
 
 
@@ -464,7 +493,8 @@ def main(argv):
     if "trainer" in parts:
       result["standin_trainer_s"] = part_trainer(root, FLAGS.repeats)
     if "node" in parts:
-      result["node_s"] = part_node(root, max(1, FLAGS.repeats - 1))
+      result["node_live_s"] = part_node(root, max(1, FLAGS.repeats - 1), live=True)
+      result["node_s"] = part_node(root, max(1, FLAGS.repeats - 1), live=False)
     sft = _sft(root) if parts & {"real_trainer", "cadence"} else None
     if "real_trainer" in parts:
       result["real_trainer"] = part_real_trainer(root, sft, steps=4)
@@ -492,9 +522,13 @@ def main(argv):
     lines.append(f"| toy trainer SIGKILLed during step 3 | {r['resumed_s']:.2f} / "
                  f"{r['step3_logged_s']:.2f} | until it restored step {r['resumed_step']} / "
                  "until step 3 is logged again |")
+  if "node_live_s" in result:
+    lines.append(f"| Ray node lost (holding a sandbox server) | {_fmt(result['node_live_s'])} "
+                 "| until the running trainer's tool call succeeds at the moved server's URL "
+                 "(fleet file; no restart) |")
   if "node_s" in result:
-    lines.append(f"| Ray node lost (holding a sandbox server) | {_fmt(result['node_s'])} | "
-                 "until the trainer job runs with the moved server's URL |")
+    lines.append(f"| the same, `live_server_moves=False` | {_fmt(result['node_s'])} | "
+                 "until the trainer job runs again with the moved server's URL |")
   if "cadence_step_s" in result:
     base = statistics.median(result["cadence_step_s"]["never (final save only)"])
     for name, xs in result["cadence_step_s"].items():
