@@ -46,12 +46,16 @@ import glob
 import os
 import pickle
 import re
+import threading
 import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
 
 from rstar_jax.rollout import agent_loop
+
+
+WEIGHT_UPDATES = ("between_steps", "between_requests")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,13 +67,27 @@ class AsyncRolloutsConfig:
       behind the parameters it updates. 0: the synchronous loop (generate, then train).
       k >= 1: step t's rollouts come from the policy after max(t - k, t0) updates,
       generated in a thread while the steps before t train (docs/guides/async_rollouts.md).
+    weight_updates: when the engines take a new version (k >= 1).
+      "between_steps": only between two steps' collections, each step generated with
+      exactly v(s): a function of the config, reproducible bit for bit.
+      "between_requests" (in-flight updates, as PipelineRL): each version as soon as the
+      trainer has it, between two generation calls (the pool holds new calls and lets
+      those in flight finish; never inside one), so a trajectory's later turns may come
+      from newer weights than its first (each turn's version is recorded,
+      `Trajectory.turn_versions`). Fresher rollouts, still within the bound (v(s) is then
+      the oldest version a step may hold), but which turn gets which version depends on
+      timing: not reproducible.
   """
   max_staleness: int = 0
+  weight_updates: str = "between_steps"
 
   def __post_init__(self):
     if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
       raise ValueError("AsyncRolloutsConfig.max_staleness must be an int >= 0, got "
                        f"{self.max_staleness!r}")
+    if self.weight_updates not in WEIGHT_UPDATES:
+      raise ValueError(f"AsyncRolloutsConfig.weight_updates={self.weight_updates!r}; choose "
+                       f"from {WEIGHT_UPDATES}")
 
 
 def behaviour_version(step: int, max_staleness: int, start: int) -> int:
@@ -84,7 +102,9 @@ def staleness_filter(groups: Sequence[Sequence[agent_loop.Trajectory]], step: in
 
   A trajectory's staleness is step - (the step of its OLDEST recorded weight version);
   one whose engine reports no version counts as `scheduled` (the version it was
-  submitted with). A version not in `version_steps` is unknown: out of bound."""
+  submitted with). A version not in `version_steps` is unknown: out of bound, as is a
+  turn that spanned a weight update ("a -> b": the engines are only ever updated between
+  generation calls here, so that means a server out of step)."""
   kept, ages, dropped = [], [], 0
   for g in groups:
     g_ages = []
@@ -114,32 +134,57 @@ class RolloutPipeline:
   """A worker thread that generates steps' rollouts in submission order.
 
   `collect(batch, step)` returns a step's groups (rl.rollouts.collect with the step's
-  stream); `engines.update_weights(params, version)` moves the engines."""
+  stream); `engines.update_weights(params, version)` moves the engines.
+  `in_flight` ("between_requests"): `publish` also moves them while a collection runs,
+  through `engines.update_weights_between_requests`, in a thread of its own."""
 
-  def __init__(self, engines, collect: Callable[[Any, int], list]):
+  def __init__(self, engines, collect: Callable[[Any, int], list], *, in_flight: bool = False):
     self.engines, self._collect = engines, collect
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="async-rollouts")
     self.pending: dict[int, Pending] = {}
     self._engine_version: str | None = None
+    self._engine_version_step = -1
+    self.in_flight = in_flight
+    self._sync = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-updates")
+                  if in_flight else None)
+    self._version_lock = threading.Lock()   # the engines' version: checked and moved at once
+    self.published: list[concurrent.futures.Future] = []
 
   def submit(self, step: int, batch, params, version: str, version_step: int,
              data_before: dict, data_after: dict) -> None:
     if step in self.pending:
       raise ValueError(f"step {step}'s rollouts are already pending")
-    fut = self._pool.submit(self._work, batch, step, params, version)
+    fut = self._pool.submit(self._work, batch, step, params, version, version_step)
     self.pending[step] = Pending(step, version, version_step, data_before, data_after, fut)
+
+  def publish(self, params, version: str, version_step: int) -> None:
+    """In-flight mode: hands `version` to the engines as soon as the calls in flight
+    allow (never going back to an older one); returns at once."""
+    if self._sync is None:
+      raise ValueError("RolloutPipeline.publish: not built with in_flight=True")
+    self.published = [f for f in self.published if not f.done()]
+    self.published.append(self._sync.submit(self._move, params, version, version_step, True))
+
+  def _move(self, params, version: str, version_step: int, between_requests: bool) -> None:
+    with self._version_lock:
+      if self.in_flight and self._engine_version_step >= version_step:
+        return              # the engines already hold this version or a newer one
+      if self._engine_version == version:
+        return
+      self._engine_version = None
+      if between_requests:
+        self.engines.update_weights_between_requests(params, version)
+      else:
+        self.engines.update_weights(params, version)
+      self._engine_version, self._engine_version_step = version, version_step
 
   def adopt(self, p: Pending) -> None:
     """A pending step taken back from a checkpoint (its future already done)."""
     self.pending[p.step] = p
 
-  def _work(self, batch, step: int, params, version: str):
-    if self._engine_version != version:
-      # Between two steps' collections: no request is in flight, so no trajectory
-      # mixes versions.
-      self._engine_version = None
-      self.engines.update_weights(params, version)
-      self._engine_version = version
+  def _work(self, batch, step: int, params, version: str, version_step: int):
+    # Between two steps' collections: no request of this pipeline is in flight.
+    self._move(params, version, version_step, False)
     t0 = time.perf_counter()
     groups = self._collect(batch, step)
     return groups, time.perf_counter() - t0
@@ -149,6 +194,9 @@ class RolloutPipeline:
     p = self.pending[step]
     t0 = time.perf_counter()
     groups, gen_s = p.future.result()
+    for f in self.published:     # an in-flight update that failed fails the step
+      if f.done():
+        f.result()
     wait_s = time.perf_counter() - t0
     del self.pending[step]
     return p, groups, gen_s, wait_s
@@ -173,14 +221,17 @@ class RolloutPipeline:
       p.future.cancel()
     oldest = min(self.pending) if self.pending else None
     before = self.pending[oldest].data_before if oldest is not None else None
-    concurrent.futures.wait([p.future for p in self.pending.values()])
+    concurrent.futures.wait([p.future for p in self.pending.values()] + self.published)
     self.pending.clear()
-    self._engine_version = None
+    self.published = []
+    self._engine_version, self._engine_version_step = None, -1
     return before
 
   def close(self) -> None:
     self.cancel()
     self._pool.shutdown(wait=True)
+    if self._sync is not None:
+      self._sync.shutdown(wait=True)
 
 
 # ---- pending rollouts next to a checkpoint -------------------------------------------

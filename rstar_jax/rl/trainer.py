@@ -190,6 +190,12 @@ class RLTrainer:
     # Asynchronous rollouts (rl.async_rollouts.max_staleness > 0): the worker pipeline,
     # made at the first step (or at a resume, holding the checkpoint's pending steps).
     self.max_staleness = config.async_rollouts.max_staleness
+    self._in_flight = config.async_rollouts.weight_updates == "between_requests"
+    if self._in_flight and self.max_staleness > 0 and not hasattr(
+        engines, "update_weights_between_requests"):
+      raise ValueError("rl.async_rollouts.weight_updates='between_requests' needs an engine "
+                       "pool (rollout.backends.build_engine_pool) that can hold its calls for "
+                       f"an update; got {type(engines).__name__}")
     self._pipeline: async_lib.RolloutPipeline | None = None
     self._version_steps: dict[str, int] = {}    # weight version name -> its update count
     self._num_steps: int | None = None          # the stage's length (run's argument)
@@ -384,6 +390,9 @@ class RLTrainer:
       if ages:     # a mean over nothing is missing, not 0 (rollout/stats.py)
         metrics["async/staleness_mean"] = float(np.mean(ages))
         metrics["async/staleness_max"] = float(max(ages))
+        # Trajectories whose turns came from more than one version (in-flight updates).
+        metrics["async/multi_version_share"] = float(np.mean(
+            [len(t.weight_versions) > 1 for t in flat]))
       if not groups:
         logging.warning("step %d: every group was dropped; no update", step)
         metrics.update({"time/rollout_s": t_roll, "update/skipped": 1.0,
@@ -533,7 +542,8 @@ class RLTrainer:
 
   def _pipeline_or_new(self) -> async_lib.RolloutPipeline:
     if self._pipeline is None:
-      self._pipeline = async_lib.RolloutPipeline(self.engines, self._collect_for_pipeline)
+      self._pipeline = async_lib.RolloutPipeline(self.engines, self._collect_for_pipeline,
+                                                 in_flight=self._in_flight)
     return self._pipeline
 
   def _fill_pipeline(self, step: int) -> None:
@@ -553,6 +563,13 @@ class RLTrainer:
       before = self.data.state()
       batch = next(self.data)
       pipe.submit(s, batch, params, name, step, before, self.data.state())
+    if self._in_flight:
+      # In-flight updates: the engines take this version now, between two calls of
+      # whatever step they are generating (rl.async_rollouts.weight_updates).
+      if params is None:
+        params, name = self._copy_params(self.state.params), self.weight_version(step)
+        self._version_steps[name] = step
+      pipe.publish(params, name, step)
 
   def _run_step_async(self) -> dict[str, float]:
     step = self.step

@@ -73,6 +73,9 @@ class Trajectory:
   # Distinct policy weight versions its turns were generated with (in order); more
   # than one means the weights changed mid-trajectory.
   weight_versions: list[str] = dataclasses.field(default_factory=list)
+  # The version each turn was generated with (one per `turns` entry, None where the
+  # engine names none): the tokens of turn i (span turns[i]) come from turn_versions[i].
+  turn_versions: list[str | None] = dataclasses.field(default_factory=list)
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   error: str = ""   # why a failed trajectory failed
 
@@ -138,6 +141,7 @@ async def run_trajectory(engine: Engine, tools: ToolExecutor, proto: chat.ChatPr
     if version is not None and version not in traj.weight_versions:
       traj.weight_versions.append(version)
     traj.turns.append((start, len(traj.response_ids)))
+    traj.turn_versions.append(version)
     turn = proto.parse_turn(out.output_ids)
     traj.answer_tags += turn.answer_tags
     if out.finish_reason == "length" and not turn.wants_tool:

@@ -16,8 +16,10 @@ servers over HTTP. Policies are a registry picked by config string.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -108,6 +110,11 @@ class EnginePool:
     self.engines = list(engines)
     self.weight_sync = weight_sync
     self.watcher = watcher
+    # The gate of `update_weights_between_requests`: generation calls in flight, and
+    # updates waiting for them to end (new calls wait meanwhile).
+    self._gate = threading.Condition()
+    self._in_flight = 0
+    self._gate_shut = 0
     self.policy_name = policy
     self._pick = get_policy(policy)
     self.metrics: dict[str, collections.Counter] = {
@@ -115,6 +122,20 @@ class EnginePool:
     self._t0 = time.perf_counter()
 
   async def generate(self, request: GenerationRequest) -> GenerationResult:
+    while True:    # an update waiting between requests holds new calls back
+      with self._gate:
+        if not self._gate_shut:
+          self._in_flight += 1
+          break
+      await asyncio.sleep(0.002)
+    try:
+      return await self._generate(request)
+    finally:
+      with self._gate:
+        self._in_flight -= 1
+        self._gate.notify_all()
+
+  async def _generate(self, request: GenerationRequest) -> GenerationResult:
     i = self._pick(self.engines, request)
     engine = self.engines[i]
     m = self.metrics[engine.name]
@@ -146,6 +167,20 @@ class EnginePool:
       return
     for e in self.engines:
       e.update_weights(params, version)
+
+  def update_weights_between_requests(self, params, version: str | None = None) -> None:
+    """`update_weights`, never inside a generation call: new calls wait, the calls in
+    flight end, the engines move, the calls go on. Called from another thread than the
+    one generating (in-flight updates: rl.async_rollouts.weight_updates)."""
+    with self._gate:
+      self._gate_shut += 1
+      self._gate.wait_for(lambda: self._in_flight == 0)
+    try:
+      self.update_weights(params, version)
+    finally:
+      with self._gate:
+        self._gate_shut -= 1
+        self._gate.notify_all()
 
   def sync_metrics(self) -> dict[str, float]:
     """Seconds and GB of the latest weight sync through disk ({} in process)."""

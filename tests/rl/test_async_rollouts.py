@@ -226,6 +226,123 @@ def test_the_decoupled_objective_runs_under_k1_and_logs_its_weights(setup):
   assert history[0]["train/behav_log_weight_abs"] < 1e-4   # step 0: it is the sampler's
 
 
+def test_in_flight_updates_keep_the_bound_and_never_split_a_generation_call(setup):
+  """weight_updates='between_requests' on the tiny stage under k = 1: every turn names
+  one version (none spans an update: no "a -> b"), each turn's version is recorded next
+  to its token span, and every trajectory is within the bound of its step. Which turns
+  get the newer version depends on timing here: the deterministic check of the hand-over
+  is the next test."""
+  cfg, ctx, pool, root = setup
+  rl = dataclasses.replace(cfg.rl, async_rollouts=async_lib.AsyncRolloutsConfig(
+      max_staleness=1, weight_updates="between_requests"))
+  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  t = rl_trainer.RLTrainer(rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
+                           ctx.train_problems, engines=pool, tools=ctx.tools,
+                           workdir=str(root / "k1_in_flight"), seed=0, mesh=ctx.mesh,
+                           rules=ctx.rules)
+  seen = {}
+  try:
+    history = t.run(STEPS, progress=False,
+                    on_step=lambda step, m: seen.setdefault(step - 1, list(t.last_trajectories)))
+    names = {t.weight_version(s): s for s in range(STEPS + 1)}
+  finally:
+    t.close()
+  for step, m in enumerate(history):
+    assert m["async/stale_dropped_groups"] == 0 and m["async/staleness_max"] <= 1
+    assert m["async/multi_version_share"] == np.mean(
+        [len(tr.weight_versions) > 1 for tr in seen[step]])
+    for tr in seen[step]:
+      assert len(tr.turn_versions) == len(tr.turns) >= 1
+      assert all(v in names for v in tr.turn_versions), tr.turn_versions   # no "a -> b"
+      assert tr.weight_versions == list(dict.fromkeys(tr.turn_versions))
+      ages = [step - names[v] for v in tr.turn_versions]
+      assert all(0 <= a <= 1 for a in ages) and ages == sorted(ages, reverse=True)
+
+
+class _HeldEngine:
+  """One engine whose calls wait until the test releases them; records the version at
+  the start and at the end of each call."""
+  name, max_len = "held", 1 << 12
+
+  def __init__(self):
+    import threading
+    self.version, self.calls, self.release = "v0", [], {}
+    self._lock = threading.Lock()
+
+  async def generate(self, request):
+    import asyncio
+    import threading
+    from rstar_jax.rollout.engine import GenerationResult
+    with self._lock:
+      gate = self.release.setdefault(request.request_id, threading.Event())
+    start = self.version
+    while not gate.is_set():
+      await asyncio.sleep(0.005)
+    self.calls.append((request.request_id, start, self.version))
+    return GenerationResult(request.request_id, [5], [-0.1], "stop", len(request.input_ids), 0,
+                            0.0, weight_version=start)
+
+  def update_weights(self, params, version=None):
+    self.version = version
+
+  def free_kv_tokens(self):
+    return 1 << 20
+
+  def num_active(self):
+    return 0
+
+
+def test_an_in_flight_update_waits_for_the_call_in_flight_and_reaches_the_next_turn():
+  """The hand-over, deterministic: a two-turn collection of step 1 (submitted with v0)
+  is inside its first call when the trainer publishes v1. The update waits for that call
+  to end (the engine still holds v0 meanwhile), then moves the engine, and the second
+  turn, issued after, runs on v1: turn versions [v0, v1], no call saw the version change
+  inside it."""
+  import asyncio
+  import threading
+  import time
+  from rstar_jax.rollout.engine import GenerationRequest
+  from rstar_jax.rollout.scheduler import EnginePool
+  engine = _HeldEngine()
+  pool = EnginePool([engine], policy="kv_capacity")
+  second_turn = threading.Event()
+
+  def collect(batch, step):
+    async def two_turns():
+      first = await pool.generate(GenerationRequest(input_ids=[1], max_new_tokens=1,
+                                                    request_id="turn0"))
+      while not second_turn.is_set():
+        await asyncio.sleep(0.005)
+      second = await pool.generate(GenerationRequest(input_ids=[1, 5], max_new_tokens=1,
+                                                     request_id="turn1"))
+      return [first.weight_version, second.weight_version]
+    return asyncio.run(two_turns())
+
+  pipe = async_lib.RolloutPipeline(pool, collect, in_flight=True)
+  try:
+    pipe.submit(1, None, "params0", "v0", 0, {}, {})
+    while "turn0" not in engine.release:          # the first turn is in flight
+      time.sleep(0.005)
+    pipe.publish("params1", "v1", 1)
+    time.sleep(0.3)
+    assert engine.version == "v0" and not pipe.published[-1].done()   # held for the call
+    engine.release["turn0"].set()
+    pipe.published[-1].result(timeout=30)
+    assert engine.version == "v1"
+    engine.release["turn1"] = threading.Event()
+    engine.release["turn1"].set()
+    second_turn.set()
+    _, versions, _, _ = pipe.take(1)
+    assert versions == ["v0", "v1"]
+    assert engine.calls == [("turn0", "v0", "v0"), ("turn1", "v1", "v1")]
+    # Never back to an older version: step 2's submission with v0 keeps v1.
+    pipe.publish("params0", "v0", 0)
+    pipe.published[-1].result(timeout=30)
+    assert engine.version == "v1"
+  finally:
+    pipe.close()
+
+
 # ---- the pure parts ------------------------------------------------------------------
 
 def _traj(versions):
@@ -252,6 +369,8 @@ def test_the_schedule_is_a_function_of_the_step_bound_and_start():
 def test_the_config_refuses_what_would_not_correct_staleness():
   with pytest.raises(ValueError, match="max_staleness"):
     async_lib.AsyncRolloutsConfig(max_staleness=-1)
+  with pytest.raises(ValueError, match="between_requests"):
+    async_lib.AsyncRolloutsConfig(max_staleness=1, weight_updates="mid_call")
   base = rl_trainer.RLConfig()
   with pytest.raises(ValueError, match="recompute"):
     dataclasses.replace(base, old_logprobs="recompute",

@@ -20,6 +20,7 @@ from rstar_jax.recipe import stages as recipe
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io
 from rstar_jax.rl import advantages as adv_lib
+from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import losses, roc
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.sft import trainer as sft_trainer
@@ -56,6 +57,8 @@ RL_CASES = (
     + [("async_rollouts.max_staleness", v, {}) for v in (0, 1, 2)]
     # The pairing the ablation is for: stale rollouts under AReaL's objective.
     + [("loss.off_policy", "decoupled", {"async_rollouts.max_staleness": 1})]
+    + [("async_rollouts.weight_updates", v, {"async_rollouts.max_staleness": 1})
+       for v in async_lib.WEIGHT_UPDATES]
 )
 # Fields of config.model that the trainers' programs depend on (both trainers run each).
 MODEL_CASES = ([("attention_impl", v) for v in model_config.ATTENTION_IMPLS]
@@ -74,7 +77,8 @@ def test_the_cases_cover_every_registered_value():
                         ("downsample.sample_counts", roc.SAMPLE_COUNTS),
                         ("optimizer.schedule", optim.SCHEDULES),
                         ("old_logprobs", rl_trainer.OLD_LOGPROBS),
-                        ("loss.off_policy", losses.OFF_POLICY)]:
+                        ("loss.off_policy", losses.OFF_POLICY),
+                        ("async_rollouts.weight_updates", async_lib.WEIGHT_UPDATES)]:
     for v in values:
       assert (field, v) in covered, (field, v)
   assert {v for _, v in MODEL_CASES} | {"float32"} == set(model_config.ATTENTION_IMPLS) | set(
