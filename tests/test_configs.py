@@ -302,24 +302,32 @@ def test_roc_ablation_points_build():
   assert methods == {("roc", 8, 4), ("uniform", 8, 4), ("none", 4, 4)}
 
 
-def test_async_ablation_points_differ_only_in_staleness_and_seed():
+def test_async_ablation_points_differ_only_in_their_arm_and_seed():
   from experiments.configs import toy_async_ablation as abl
   spec = os.path.join(REPO, "experiments/configs/toy_async_ablation.py")
   built = {}
   for point in abl.get_sweep():
     c = _load(spec)
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
-    c.rl.async_rollouts.max_staleness = point["rl.async_rollouts.max_staleness"]
-    c.seed = point["seed"]
+    for key, value in point.items():
+      *parents, leaf = key.split(".")
+      node = c
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
     cfg = recipe.build_config(c)
     assert not cfg.sft.enabled and cfg.stage1.num_steps == 40 and cfg.stage2.num_steps == 0
-    built[(cfg.rl.async_rollouts.max_staleness, cfg.seed)] = cfg
-  assert sorted(built) == [(k, s) for k in (0, 1, 2) for s in (0, 1, 2)]
-  # Everything else equal: the RL loss (the sampler's ratio), RoC, the steps.
-  base = built[(0, 0)]
-  for (k, seed), cfg in built.items():
-    assert cfg.rl.loss == base.rl.loss and cfg.rl.downsample == base.rl.downsample
-    assert cfg.rl.loss.off_policy == "behaviour" and cfg.rl.old_logprobs == "sampler"
+    arm = (cfg.rl.async_rollouts.max_staleness, cfg.rl.loss.off_policy,
+           cfg.rl.async_rollouts.weight_updates)
+    built[arm + (cfg.seed,)] = cfg
+  plain = [(k, "behaviour", "between_steps") for k in (0, 1, 2)]
+  arms = plain + [(2, "decoupled", "between_steps"), (1, "behaviour", "between_requests")]
+  assert sorted(built) == sorted(a + (s,) for a in arms for s in (0, 1, 2))
+  # Everything else equal: RoC, the steps, the loss but for the off-policy correction.
+  base = built[(0, "behaviour", "between_steps", 0)]
+  for cfg in built.values():
+    assert cfg.rl.downsample == base.rl.downsample and cfg.rl.old_logprobs == "sampler"
+    assert dataclasses.replace(cfg.rl.loss, off_policy="behaviour") == base.rl.loss
 
 
 def test_toy_sft_rows_hold_every_trace_and_pack_densely(tmp_path):

@@ -15,8 +15,10 @@ rate among correct trajectories, mean +- std per k; each point's `stage1/metrics
 the staleness per step (`async/staleness_max`) and the groups dropped past the bound
 (`async/stale_dropped_groups`, expected 0 in process).
 
-Points (`get_sweep`): k0, k1, k2 (`rl.async_rollouts.max_staleness`), seeds 0-2. The `:smoke`
-variant (two steps a point) tries the sweep end to end.
+Points (`get_sweep`), seeds 0-2 each: k = 0, 1, 2 (`rl.async_rollouts.max_staleness`); k = 2
+under the decoupled objective (`rl.loss.off_policy=decoupled`, AReaL's); k = 1 with in-flight
+weight updates (`rl.async_rollouts.weight_updates=between_requests`). The `:smoke` variant (two
+steps a point) tries the sweep end to end.
 """
 from experiments.configs import toy_roc_ablation
 
@@ -32,5 +34,13 @@ def get_config(variant: str = ""):
 
 def get_sweep(variant: str = ""):
   del variant
-  return [{"rl.async_rollouts.max_staleness": k, "seed": seed}
-          for k in STALENESS for seed in SEEDS]
+  points = [{"rl.async_rollouts.max_staleness": k, "seed": seed}
+            for k in STALENESS for seed in SEEDS]
+  # Two more arms: the staler bound under AReaL's decoupled objective, and k = 1 with
+  # in-flight weight updates (later turns on newer weights: not reproducible bit for bit).
+  points += [{"rl.async_rollouts.max_staleness": 2, "rl.loss.off_policy": "decoupled",
+              "seed": seed} for seed in SEEDS]
+  points += [{"rl.async_rollouts.max_staleness": 1,
+              "rl.async_rollouts.weight_updates": "between_requests", "seed": seed}
+             for seed in SEEDS]
+  return points
