@@ -48,7 +48,7 @@ import time
 
 from absl import app, flags
 
-from experiments import results_json
+from experiments import results_json, standins
 
 flags.DEFINE_integer("repeats", 3, "kills per server kind and of the stand-in trainer; "
                      "runs per checkpoint cadence", lower_bound=1)
@@ -269,33 +269,6 @@ def part_real_trainer(root: str, sft: str, steps: int) -> dict:
 
 
 # ---- 4. a lost node -------------------------------------------------------------------
-# Runs a tool call every 0.05 s through the real tools client (following the fleet file
-# when given one) and logs the URLs each call saw.
-_URL_TRAINER = '''
-import ast, asyncio, json, os, sys, time
-work = os.environ["FAULT_BENCH_WORK"]
-arg = lambda k: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), "")
-urls, urls_file = ast.literal_eval(arg("--config.tools.urls")), arg("--config.tools.urls_file")
-with open(os.path.join(work, "starts"), "a") as f:
-  f.write(json.dumps(list(urls)) + "\\n")
-from rstar_jax.rollout import chat
-from rstar_jax.rollout.tools import ToolsConfig, build_tools
-
-async def one(tools):
-  try:
-    return await tools.execute([chat.ParsedToolCall(name="python", code="print(7)", input="")])
-  finally:
-    await tools.release_loop()
-
-with build_tools(ToolsConfig(urls=tuple(urls), urls_file=urls_file, timeout_s=30)) as tools:
-  while not os.path.exists(os.path.join(work, "done")):
-    status = asyncio.run(one(tools))[0]["status"]
-    with open(os.path.join(work, "calls"), "a") as f:
-      f.write(json.dumps({"urls": tools.urls, "status": status}) + "\\n")
-    time.sleep(0.05)
-'''
-
-
 def _node_run(tmp: str, queue, live: bool) -> None:
   """In a fresh process (no Ray state of the parts before): a head node and a second
   node (own process group) with room for one sandbox server; the second node SIGKILLed.
@@ -306,13 +279,13 @@ def _node_run(tmp: str, queue, live: bool) -> None:
   import ray
   from rstar_jax.recipe import cluster
   with open(os.path.join(tmp, "fault_bench_urls.py"), "w") as f:
-    f.write(_URL_TRAINER)
+    f.write(standins.URL_TRAINER)
   work = os.path.join(tmp, "work")
   os.makedirs(work)
   temp = tempfile.mkdtemp(prefix="r", dir="/tmp")    # short: Ray's socket paths
   port = cluster.free_port()
   ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tmp]), FAULT_BENCH_WORK=work,
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, tmp]), FLEET_TRAINER_WORK=work,
              RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
              RAY_health_check_timeout_ms="500")
   env.pop("RAY_ADDRESS", None)
@@ -329,7 +302,7 @@ def _node_run(tmp: str, queue, live: bool) -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
-        "PYTHONPATH": env["PYTHONPATH"], "FAULT_BENCH_WORK": work}})
+        "PYTHONPATH": env["PYTHONPATH"], "FLEET_TRAINER_WORK": work}})
     _wait(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node")
     cfg = cluster.ClusterConfig(
         sandbox_servers=2, sandbox_cpus=1.0, rollout_servers=0, trainer_processes=1,
@@ -348,7 +321,7 @@ def _node_run(tmp: str, queue, live: bool) -> None:
       t0 = time.perf_counter()
       if live:
         _wait(lambda: fleet.sandbox_urls != before, "the server's move")
-        moved = json.dumps({"urls": fleet.sandbox_urls, "status": "ok"})
+        moved = json.dumps({"urls": fleet.sandbox_urls, "status": "ok"})[:-1]
         _wait(lambda: moved in open(calls).read(), "a call at the new URLs")
       else:
         _wait(lambda: len(open(starts).read().splitlines()) == 2, "the restart with new URLs")

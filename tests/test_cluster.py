@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from experiments import standins
 from rstar_jax.recipe import cluster
 
 
@@ -276,34 +277,6 @@ def test_a_killed_trainer_process_restarts_the_whole_job_from_its_checkpoint(tmp
     ray.shutdown()
 
 
-# A trainer process that runs a tool call every 0.2 s on the fleet's sandbox servers
-# through the real tools client (following the fleet file when it is given one), and
-# records each start's URLs and each call's URLs and status.
-_URL_TRAINER = '''
-import ast, asyncio, json, os, sys, time
-work = os.environ["FAKE_TRAINER_WORK"]
-arg = lambda k: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(k + "=")), "")
-urls, urls_file = ast.literal_eval(arg("--config.tools.urls")), arg("--config.tools.urls_file")
-open(os.path.join(work, "starts"), "a").write(json.dumps(list(urls)) + "\\n")
-from rstar_jax.rollout import chat
-from rstar_jax.rollout.tools import ToolsConfig, build_tools
-
-async def one(tools):
-  try:
-    return await tools.execute([chat.ParsedToolCall(name="python", code="print(7)", input="")])
-  finally:
-    await tools.release_loop()
-
-with build_tools(ToolsConfig(urls=tuple(urls), urls_file=urls_file, timeout_s=30)) as tools:
-  while not os.path.exists(os.path.join(work, "done")):
-    out = asyncio.run(one(tools))[0]
-    with open(os.path.join(work, "calls"), "a") as f:
-      f.write(json.dumps({"urls": tools.urls, "status": out["status"],
-                          "stdout": out.get("stdout", "")}) + "\\n")
-    time.sleep(0.2)
-'''
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("live", [True, False], ids=["live", "restart"])
 def test_a_lost_node_s_servers_move_and_the_trainer_follows_their_new_urls(tmp_path, live):
@@ -316,7 +289,7 @@ def test_a_lost_node_s_servers_move_and_the_trainer_follows_their_new_urls(tmp_p
   restarted with the new URLs. The driver runs in a fresh process, so that no Ray state
   of an earlier test in this process carries over."""
   import json
-  out = _on_ray_nodes(tmp_path, _lose_a_server_node, _URL_TRAINER, head_cpus=3,
+  out = _on_ray_nodes(tmp_path, _lose_a_server_node, standins.URL_TRAINER, head_cpus=3,
                       node_cpus=(1,), live=live)
   before, after = out["before"], out["after"]
   assert out["codes"] == [0]
@@ -446,7 +419,8 @@ def _ray_nodes_main(tmp: str, queue, scenario, trainer_src, head_cpus, node_cpus
   port = cluster.free_port()
   ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([cluster.REPO, str(tmp_path)]),
-             FAKE_TRAINER_WORK=str(work), RAY_AUTH_MODE="disabled",  # as ray.init's own
+             FAKE_TRAINER_WORK=str(work), FLEET_TRAINER_WORK=str(work),
+             RAY_AUTH_MODE="disabled",  # as ray.init's own
              RAY_health_check_period_ms="500",
              RAY_health_check_failure_threshold="4", RAY_health_check_timeout_ms="500")
   env.pop("RAY_ADDRESS", None)
@@ -460,7 +434,8 @@ def _ray_nodes_main(tmp: str, queue, scenario, trainer_src, head_cpus, node_cpus
     assert head.returncode == 0, head.stderr
     address = f"127.0.0.1:{port}"
     ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": {
-        "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work)}})
+        "PYTHONPATH": env["PYTHONPATH"], "FAKE_TRAINER_WORK": str(work),
+        "FLEET_TRAINER_WORK": str(work)}})
     for cpus in node_cpus:   # one at a time: two starting at once on 2 busy cores can miss
       nodes.append(subprocess.Popen([ray_bin, "start", f"--address={address}",  # health checks
                                      f"--num-cpus={cpus}", "--block", "--disable-usage-stats"],

@@ -279,6 +279,16 @@ def test_entry_point_without_config_says_how_to_call_it(module):
   assert f"python -m {module} --config experiments/configs/" in out.stdout + out.stderr
 
 
+def _apply(c, point):
+  """A sweep point's overrides ("a.b.c": value) on a config."""
+  for key, value in point.items():
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+
+
 def test_roc_ablation_points_build():
   from experiments.configs import toy_roc_ablation as abl
   points = abl.get_sweep()
@@ -287,12 +297,7 @@ def test_roc_ablation_points_build():
   for point in points:
     c = _load(os.path.join(REPO, "experiments/configs/toy_roc_ablation.py"))
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
-    for key, value in point.items():
-      *parents, leaf = key.split(".")
-      node = c
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
+    _apply(c, point)
     cfg = recipe.build_config(c)
     assert not cfg.sft.enabled and cfg.stage1.num_steps > 0 and cfg.model.hf_dir
     drawn = cfg.rl.samples_per_prompt
@@ -309,12 +314,7 @@ def test_async_ablation_points_differ_only_in_their_arm_and_seed():
   for point in abl.get_sweep():
     c = _load(spec)
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
-    for key, value in point.items():
-      *parents, leaf = key.split(".")
-      node = c
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
+    _apply(c, point)
     cfg = recipe.build_config(c)
     assert not cfg.sft.enabled and cfg.stage1.num_steps == 40 and cfg.stage2.num_steps == 0
     arm = (cfg.rl.async_rollouts.max_staleness, cfg.rl.loss.off_policy,
