@@ -98,10 +98,12 @@ def test_01_roc_ablation_reads_a_sweep(tmp_path):
 
 def test_05_async_ablation_reads_a_sweep(tmp_path):
   key = "rl.async_rollouts.max_staleness"
-  pts = sweep.make_points([{key: k, "seed": s} for k in (0, 1, 2) for s in (0, 1, 2)],
+  inflight = "rl.async_rollouts.weight_updates"
+  pts = sweep.make_points([{key: k, "seed": s} for k in (0, 1, 2) for s in (0, 1, 2)]
+                          + [{key: 1, inflight: "between_requests", "seed": s} for s in (0, 1)],
                           str(tmp_path / "sweep"))
-  for p in pts[:-1]:   # the last point (k=2, seed 2) has not run yet
-    k, seed = p.overrides[key], p.overrides["seed"]
+  for p in pts[:8] + pts[9:]:   # k=2, seed 2 has not run yet
+    k, seed, arm = p.overrides[key], p.overrides["seed"], inflight in p.overrides
     os.makedirs(os.path.join(p.workdir, "stage1"))
     with open(os.path.join(p.workdir, "stage1", "metrics_rl.jsonl"), "w") as f:
       for step in range(1, 11):
@@ -113,32 +115,38 @@ def test_05_async_ablation_reads_a_sweep(tmp_path):
           age = min(k, step - 1)   # the schedule: step s trains on version max(s - k, 0)
           row.update({"async/staleness_mean": age, "async/staleness_max": age,
                       "async/stale_dropped_groups": int(k == 2 and seed == 1 and step == 5),
-                      "time/rollout_wait_s": 0.5 / k})
+                      "time/rollout_wait_s": 0.5 / k, "async/multi_version_share": 0.5 * arm})
         f.write(json.dumps(row) + "\n")
     with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
-      json.dump({"pass_at_1": {0: 0.70, 1: 0.71, 2: 0.60}[k] + 0.02 * seed,
+      json.dump({"pass_at_1": {0: 0.70, 1: 0.71, 2: 0.60}[k] + 0.02 * seed + 0.1 * arm,
                  "tool_error_rate_correct": (None if (k, seed) == (0, 1) else
                                              {0: 0.0625, 1: 0.125, 2: 0.25}[k]),
                  "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
   sweep.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
   text = _text(_run("05_async_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3))
-  assert "9 points in" in text and "not finished" in text
-  # Final evaluation per k: mean ± std over the finished seeds, "(n=k)" where one is missing.
-  assert "| 0 | 0 1 2 | 3 |  | 0.72 ± 0.02 | 0.0625 ± 0 (n=2) |" in text, text
-  assert "| 1 | 0 1 2 | 3 |  | 0.73 ± 0.02 | 0.125 ± 0 |" in text, text
-  assert "| 2 | 0 1 2 | 2 | 2 (missing) | 0.61 ± 0.01414 (n=2) | 0.25 ± 0 (n=2) |" in text, text
+  assert "11 points in" in text and "not finished" in text
+  # Final evaluation per arm: mean ± std over the finished seeds, "(n=k)" where one is missing.
+  assert "| k=0 | 0 1 2 | 3 |  | 0.72 ± 0.02 | 0.0625 ± 0 (n=2) |" in text, text
+  assert "| k=1 | 0 1 2 | 3 |  | 0.73 ± 0.02 | 0.125 ± 0 |" in text, text
+  assert ("| k=1, weight_updates=between_requests | 0 1 | 2 |  | 0.82 ± 0.01414 | 0.125 ± 0 |"
+          in text), text
+  assert "| k=2 | 0 1 2 | 2 | 2 (missing) | 0.61 ± 0.01414 (n=2) | 0.25 ± 0 (n=2) |" in text, text
   # Curves: k=0 logged no staleness (n/a, not 0); k=1's error rate has a gap at step 3.
-  assert "| async/staleness_mean | n/a (0/10) | 0.9 (10/10) | 1.7 (10/10) |" in text, text
-  assert "| rollout/reward_mean | 0.52 (10/10) | 0.47 (10/10) | 0.415 (10/10) |" in text, text
-  assert "| rollout/tool_error_rate_correct | 0.245 (10/10) | 0.2422 (9/10) | 0.245 (10/10) |" in text
+  assert "| async/staleness_mean | n/a (0/10) | 0.9 (10/10) | 0.9 (10/10) | 1.7 (10/10) |" in text
+  assert "| rollout/reward_mean | 0.52 (10/10) | 0.47 (10/10) | 0.465 (10/10) | 0.415 (10/10) |" in text
+  assert ("| rollout/tool_error_rate_correct | 0.245 (10/10) | 0.2422 (9/10) | 0.2422 (9/10) | "
+          "0.245 (10/10) |") in text, text
   # Async metrics pooled over steps: k=1 ages 0,1,1,... (mean 0.9), k=2 0,1,2,2,... (1.7).
-  assert "| 0 | 3 | 30 | n/a | n/a | n/a | n/a | n/a | n/a |" in text, text
-  assert "| 1 | 3 | 30 | 0.9 | 1 | yes | 0 | n/a | 0.5 |" in text, text
-  assert "| 2 | 2 | 20 | 1.7 | 2 | yes | 1 | n/a | 0.25 |" in text, text
+  assert "| k=0 | 3 | 30 | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in text, text
+  assert "| k=1 | 3 | 30 | 0.9 | 1 | yes | 0 | n/a | 0.5 | 0 |" in text, text
+  assert ("| k=1, weight_updates=between_requests | 2 | 20 | 0.9 | 1 | yes | 0 | n/a | 0.5 | 0.5 |"
+          in text), text
+  assert "| k=2 | 2 | 20 | 1.7 | 2 | yes | 1 | n/a | 0.25 | 0 |" in text, text
   # The reading, computed: k=1 (0.73) within k=0's 0.72 ± 0.02, k=2 (0.61) below it.
   assert "Asynchrony costs accuracy at this scale" not in text
   assert "**A cost only from k=2 on**" in text, text
-  assert "k=1: 0.73 (+0.01), within the k=0 spread; k=2: 0.61 (-0.11, n=2), below it" in text, text
+  assert ("k=1: 0.73 (+0.01), within the k=0 spread; k=1, weight_updates=between_requests: 0.82 "
+          "(+0.1, n=2), above it; k=2: 0.61 (-0.11, n=2), below it") in text, text
   assert "k=2 dropped 1 group(s) past the bound" in text
 
 
