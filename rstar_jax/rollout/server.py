@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -65,7 +66,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from aiohttp import web
 
@@ -582,6 +583,58 @@ class RolloutServer:
 
 class _ContractError(RequestError):
   """Refused by SGLang's JSON contract gate: answered as {"error": "<text>"}."""
+
+
+@contextlib.contextmanager
+def running_servers(hf_dir: str, count: int, cfg: EngineConfig, *, log_dir: str,
+                    startup_timeout_s: float = 600.0) -> Iterator[list[str]]:
+  """`count` servers of `hf_dir` on 127.0.0.1 (`python -m rstar_jax.rollout.server`, one
+  process each, logs `<log_dir>/rollout_server<i>.log`); yields their URLs once every one
+  answers /health, kills them at exit. For benchmarks on one machine; a cluster's
+  servers are started by `recipe/cluster.py`."""
+  import socket
+  import subprocess
+  import sys
+  import urllib.request
+  os.makedirs(log_dir, exist_ok=True)
+  procs, urls, logs = [], [], []
+  try:
+    for i in range(count):
+      with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+      logs.append(os.path.join(log_dir, f"rollout_server{i}.log"))
+      with open(logs[-1], "w") as log:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
+             "--port", str(port), "--num_slots", str(cfg.num_slots), "--max_len",
+             str(cfg.max_len), "--min_prefill_bucket", str(cfg.min_prefill_bucket),
+             *(["--enable-deterministic-inference"] if cfg.batch_invariant else [])],
+            stdout=log, stderr=subprocess.STDOUT))
+      urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + startup_timeout_s
+    for proc, url, log_path in zip(procs, urls, logs):
+      while True:
+        if proc.poll() is not None:
+          with open(log_path) as f:
+            raise RuntimeError(f"rollout server {url} exited {proc.returncode}: "
+                               f"{f.read()[-2000:]}")
+        try:
+          with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            if r.status == 200:
+              break
+        except OSError:
+          pass
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"rollout server {url}: no /health within {startup_timeout_s} s "
+                             f"(log: {log_path})")
+        time.sleep(0.3)
+    yield urls
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
 
 
 def main(argv=None) -> None:
