@@ -463,3 +463,27 @@ def test_pool_weight_sync_through_disk_moves_every_server(served, tmp_path, sgla
     assert back[0].logprobs != got[0].logprobs
   finally:
     pool.stop()
+
+
+def test_running_servers_start_answer_and_are_gone_after(served, tmp_path):
+  """`server.running_servers` (benchmarks' local servers): a server of a real export
+  answers /health and generates inside the block and is gone after it; one that cannot
+  start (no checkpoint) is an error carrying its log."""
+  from rstar_jax.rollout import server as rollout_server
+  from rstar_jax.rollout.jax_engine import EngineConfig
+  cfg = EngineConfig(num_slots=2, max_len=128, min_prefill_bucket=128)
+  with rollout_server.running_servers(served["dirs"]["m1"], 1, cfg,
+                                      log_dir=str(tmp_path / "logs")) as urls:
+    (engine,) = se.connect(urls)
+    try:
+      out = asyncio.run(engine.generate(GenerationRequest(input_ids=[1, 2, 3], max_new_tokens=2,
+                                                          temperature=0.0, request_id="r")))
+    finally:
+      engine.stop()
+    assert len(out.output_ids) >= 1 and out.server == urls[0]
+  with pytest.raises(urllib.error.URLError):
+    urllib.request.urlopen(urls[0] + "/health", timeout=5)
+  with pytest.raises(RuntimeError, match="exited"):
+    with rollout_server.running_servers(str(tmp_path / "nothing"), 1, cfg,
+                                        log_dir=str(tmp_path / "logs2")):
+      pass
