@@ -94,7 +94,7 @@ def _other_value(tp, current, path):
       "tool_schema": {"type": "function", "function": {
           "name": "py", "parameters": {"properties": {"code": {"type": "string"}}}}},
       "rules": {"embed": "tensor"}, "cpu_collectives": "mpi", "pause_mode": "abort",
-      "off_policy": "decoupled",
+      "off_policy": "decoupled", "weight_updates": "between_requests",
   }
   if path[-2:] == ("weight_sync", "dtype"):
     return "float32"
@@ -139,6 +139,10 @@ def test_every_field_is_reachable_by_its_override_path():
       c.chat.stop_at_tool_call = False   # parallel calls need turns that do not stop at one
     if path == ("model", "hf_dir"):
       c.model.preset = None   # exactly one source of weights
+    if path == ("tools", "urls_file"):
+      c.tools.urls = ("http://h:1",)     # the file moves the servers given in urls
+    if path == ("rollout", "servers_file"):
+      c.rollout.update(backend="server", servers=("http://h:2",))
     if path[-1] == "tool_schema" or path[-1] == "rules":
       target[path[-1]] = json.dumps(value) if path[-1] == "tool_schema" else value
     else:
