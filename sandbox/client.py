@@ -77,6 +77,11 @@ class _Rejected(Exception):
     self.call_index = int(m.group(1)) if m and status == 400 else None
 
 
+def _check_url(url) -> None:
+  if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+    raise ValueError(f"SandboxClient: server URL must start with http:// or https://, got {url!r}")
+
+
 class _Server:
   __slots__ = ("url", "up", "retry_at", "inflight", "probe", "failures", "instance")
 
@@ -132,8 +137,7 @@ class SandboxClient:
     if not urls:
       raise ValueError("SandboxClient needs at least one server URL")
     for u in urls:
-      if not isinstance(u, str) or not u.startswith(("http://", "https://")):
-        raise ValueError(f"SandboxClient: server URL must start with http:// or https://, got {u!r}")
+      _check_url(u)
     for name, value in (("max_concurrency", max_concurrency), ("batch_size", batch_size)):
       if value < 1:
         raise ValueError(f"SandboxClient.{name} must be >= 1, got {value}")
@@ -167,9 +171,7 @@ class SandboxClient:
       raise ValueError(f"SandboxClient.set_urls: {len(urls)} URL(s) for "
                        f"{len(self._servers)} server(s)")
     for i, url in enumerate(urls):
-      if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"SandboxClient: server URL must start with http:// or https://, "
-                         f"got {url!r}")
+      _check_url(url)
       if url.rstrip("/") != self._servers[i].url:
         if self._servers[i].probe is not None:
           self._servers[i].probe.cancel()
