@@ -1,11 +1,27 @@
-"""Docs that stay true: every command a doc shows parses, every path and link it names exists.
+r"""Docs that stay true: every command a doc shows parses, every path and link it names exists.
 
 Checked statically, so the whole file runs in seconds: a `python -m X` / `python X.py` command
 resolves to a module of this repository (or an allowed outside one), each `--flag` it passes is
 defined in that module (absl DEFINE_* or argparse), its `--config` file loads through the entry
 points' own loader and every `--config.a.b` override names a key of that config; `pip -r`,
-`papermill`, `sbatch` and pytest arguments name files that exist. Commands are the lines of
-bash code blocks and inline code spans that start with `python `.
+`papermill`, `sbatch`, `bash` and pytest arguments and repository scripts (`.ci/run`) name files
+that exist.
+
+Which text is a command. The docs are README.md, WORKSPACE.md, sandbox/README.md and docs/**.md.
+Every fenced block is read whatever its language, as a shell reads it: a line ending in `\`
+continues on the next, `#` starts a comment, the body of a here-document (`python - <<'PY'` ..
+`PY`) is the program's input, not commands, and a `$ ` prompt is dropped. Then:
+
+- in a shell block (`bash`, `sh`, `shell`, `zsh`) every line is a command, and a program this file
+  neither checks nor lists in OUTSIDE fails the test (so a new program is a decision);
+- in a block of code or data (`python`, `json`, `yaml`, `toml`, ...) no line is a command;
+- in any other block (untagged, `console`, `text`, ...), which mixes commands with their output,
+  tables and diagrams, a line is a command when it starts with a `$ ` prompt or, after any
+  `NAME=value` assignments, with a program this file knows: a Python interpreter (`python`,
+  `python3`, `python3.11`), `pip`, `bash`, `sh`, `sbatch`, `papermill`, a program in OUTSIDE, or a
+  path into this repository (`.ci/run`, `experiments/...`).
+
+Inline code spans that start with `python ` are commands too.
 """
 from __future__ import annotations
 
@@ -18,12 +34,13 @@ import shlex
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = sorted(["README.md", "WORKSPACE.md"] + [
+DOCS = sorted(["README.md", "WORKSPACE.md", os.path.join("sandbox", "README.md")] + [
     os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                 recursive=True)])
 # Programs a doc may show that are not this repository's to check (the host's, or another
 # project's): their arguments are left alone.
-OUTSIDE = {"apt-get", "git", "cd", ".", "source", "ray", "docker", "export", "tensorboard"}
+OUTSIDE = {"apt-get", "git", "cd", ".", "source", "ray", "docker", "export", "tensorboard", "mkdir",
+           "tee"}
 # `python -m` modules from elsewhere: the standard library, pip, pytest, SGLang (GPU hosts).
 OUTSIDE_MODULES = {"venv", "pip", "pytest", "sglang.launch_server"}
 PYTHONS = re.compile(r"^python(3(\.\d+)?)?$")
@@ -54,17 +71,80 @@ def _prose(text: str) -> str:
   return "\n".join(out)
 
 
+SHELL_FENCES = {"bash", "sh", "shell", "zsh"}
+CODE_FENCES = {"python", "py", "python3", "pycon", "json", "jsonl", "yaml", "yml", "toml", "ini",
+               "cfg", "diff", "c", "cpp", "cuda", "dockerfile"}
+CHECKED = {"pip", "pip3", "bash", "sh", "sbatch", "papermill"}
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+SUBSTITUTION = re.compile(r"\$\(\([^()]*\)\)|\$\([^()]*\)")
+SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "((", "))", ";;"}
+# Words a shell reads as syntax: a part that starts with one of the first set is not a
+# command (a loop's header, a block's end); one of the second set is dropped before the command.
+SHELL_SKIP = {"for", "case", "done", "fi", "esac", "}", "{"}
+SHELL_PREFIX = {"do", "then", "else", "if", "while", "until", "!", "time", "exec"}
+
+
+def _is_repo_path(word: str) -> bool:
+  return word.startswith("./") or word.split("/")[0] in REPO_DIRS and "/" in word
+
+
+def _starts_a_command(line: str) -> bool:
+  """For blocks that mix commands and output: the first program is one this file knows."""
+  words = line.split()
+  while words and ASSIGNMENT.match(words[0]):
+    words = words[1:]
+  if not words:
+    return False
+  prog = words[0]
+  return bool(PYTHONS.match(prog)) or prog in CHECKED or prog in OUTSIDE or _is_repo_path(prog)
+
+
+def _fence_commands(lang: str, lines: list[str]) -> list[str]:
+  """The command lines of one fenced block (the rule in the module docstring)."""
+  if lang in CODE_FENCES:
+    return []
+  cmds, logical, heredoc = [], "", None
+  for line in lines:
+    if heredoc is not None:
+      if line.strip() == heredoc:
+        heredoc = None
+      continue
+    if logical:   # a continued line: one space where the `\\` and the indentation were
+      line = line.lstrip()
+    if line.rstrip().endswith("\\"):
+      logical += line.rstrip()[:-1].rstrip() + " "
+      continue
+    logical, line = "", logical + line
+    m = HEREDOC.search(line)
+    if m:
+      heredoc = m.group(1)
+    line = line.strip()
+    prompt = line.startswith("$ ")
+    if prompt:
+      line = line[2:].strip()
+    if not line or line.startswith("#"):
+      continue
+    if prompt or lang in SHELL_FENCES or _starts_a_command(line):
+      cmds.append(line)
+  return cmds
+
+
 def _commands(doc: str) -> list[str]:
-  """Command lines of the doc's bash blocks, and inline spans that start with `python `."""
-  cmds, lang = [], None
+  """The doc's commands: in its fenced blocks, and inline spans that start with `python `."""
+  cmds, lang, block = [], None, []
   text = _read(doc)
   for line in text.splitlines():
     m = FENCE.match(line)
     if m:
-      lang = (m.group(2) or "none") if lang is None else None
+      if lang is None:
+        lang, block = (m.group(2) or "").lower(), []
+      else:
+        cmds.extend(_fence_commands(lang, block))
+        lang = None
       continue
-    if lang in ("bash", "sh", "shell") and line.strip() and not line.strip().startswith("#"):
-      cmds.append(line.strip())
+    if lang is not None:
+      block.append(line)
   for span in INLINE.findall(_prose(text)):
     if span.startswith("python ") or span.startswith("python3"):
       cmds.append(span)
@@ -156,20 +236,66 @@ def module_or(args: list[str]) -> str:
   return args[1] if args[:1] == ["-m"] else args[0]
 
 
-def _check(cmd: str, where: str) -> None:
-  for part in re.split(r"\s*(?:&&|;|\|\|)\s*", cmd):
-    words = shlex.split(part)
-    if not words:
+def _simple_commands(cmd: str) -> list[list[str]]:
+  """The words of each simple command of a shell line: split at ; && || | & and parentheses,
+  comments, redirections (and their targets), NAME=value prefixes and shell keywords removed;
+  usage brackets (`[--only L1]`) opened."""
+  cmd = SUBSTITUTION.sub("0", cmd)   # $((30000 + g)), $(nproc): a value here, not checked
+  lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+  lex.whitespace_split = True
+  parts, words, skip_next = [], [], False
+  for tok in lex:
+    if skip_next:
+      skip_next = False
       continue
+    if tok in SEPARATORS:
+      parts.append(words)
+      words = []
+    elif tok and set(tok) <= set("<>&|;()") and ("<" in tok or ">" in tok):
+      if words and words[-1].isdigit():   # 2>&1: the descriptor is no argument
+        words.pop()
+      skip_next = True
+    else:
+      words.append(tok)
+  parts.append(words)
+  out = []
+  for words in parts:
+    while words and (ASSIGNMENT.match(words[0]) or words[0] in SHELL_PREFIX):
+      words = words[1:]
+    if not words or words[0] in SHELL_SKIP:
+      continue
+    opened, clean = False, []
+    for w in words:
+      if w.startswith("[-"):
+        opened, w = True, w[1:]
+      if opened and w.endswith("]"):
+        opened, w = False, w[:-1]
+      clean.append(w)
+    out.append(clean)
+  return out
+
+
+def _first_operand(args: list[str]) -> str | None:
+  return next((a for a in args if not a.startswith("-")), None)
+
+
+def _check(cmd: str, where: str) -> None:
+  for words in _simple_commands(cmd):
     prog, args = words[0], words[1:]
     if PYTHONS.match(prog):
+      if args[:1] in (["-"], ["-c"]):   # a program on stdin (a here-document) or inline
+        continue
       _check_python(args, where)
-    elif prog == "pip":
+    elif prog in ("pip", "pip3"):
       for i, a in enumerate(args):
         if a == "-r":
           assert os.path.isfile(os.path.join(REPO, args[i + 1])), f"{where}: no {args[i + 1]}"
-    elif prog in ("papermill", "sbatch", "bash"):
-      assert os.path.isfile(os.path.join(REPO, args[0])), f"{where}: no {args[0]}"
+    elif prog in ("papermill", "sbatch", "bash", "sh"):
+      operand = _first_operand(args)
+      assert operand, f"{where}: {prog} without a file"
+      assert os.path.isfile(os.path.join(REPO, operand)), f"{where}: no {operand}"
+    elif _is_repo_path(prog) or "/" in prog:
+      assert os.path.isfile(os.path.join(REPO, prog)), f"{where}: no {prog}"
     else:
       assert prog in OUTSIDE, f"{where}: {prog!r} is neither checked here nor listed as outside"
 
@@ -243,3 +369,58 @@ def test_the_checker_catches_what_it_should():
       _check(cmd, cmd)
   _check("python -m experiments.recipe --config experiments/configs/toy.py:smoke "
          "--config.stage1.num_steps=2 --stages=sft", "a good command")
+
+
+def test_every_fence_is_read_as_a_shell_reads_it():
+  """Untagged and console blocks, continuations, comments, here-documents, prompts, usage
+  brackets: the commands come out whole and only they; a wrong flag in any of them fails."""
+  block = [
+      "# a comment",
+      "python -m experiments.recipe --config experiments/configs/toy.py:smoke \\",
+      "  --config.stage1.num_steps=2 \\",
+      "  --stages=sft   # a trailing comment",
+      "2026-11-27 04:19 UTC, AMD EPYC   (output, not a command)",
+      "python - <<'PY'",
+      "import nothing_checked_here",
+      "PY",
+      "for g in 0 1; do",
+      "  CUDA_VISIBLE_DEVICES=$g python -m sglang.launch_server --port $((30000 + g)) &",
+      "done",
+      "$ .ci/run",
+  ]
+  for lang in ("", "console", "text"):
+    cmds = _fence_commands(lang, block)
+    assert cmds == [
+        "python -m experiments.recipe --config experiments/configs/toy.py:smoke "
+        "--config.stage1.num_steps=2 --stages=sft   # a trailing comment",
+        "python - <<'PY'",
+        "CUDA_VISIBLE_DEVICES=$g python -m sglang.launch_server --port $((30000 + g)) &",
+        ".ci/run"], cmds
+    for cmd in cmds:
+      _check(cmd, cmd)
+  assert _fence_commands("python", block) == []
+  assert _fence_commands("bash", ["mkdir -p /tmp/x && rm -rf /tmp/x"]) == [
+      "mkdir -p /tmp/x && rm -rf /tmp/x"]
+  assert _simple_commands("python -m experiments.mutation_pass [--only L1,N1] [--no-baseline]") == [
+      ["python", "-m", "experiments.mutation_pass", "--only", "L1,N1", "--no-baseline"]]
+  bad = [
+      ["python -m experiments.recipe --config experiments/configs/toy.py \\", "  --no_such_flag=1"],
+      ["$ python -m sandbox.server --no-such-option 1"],
+      ["python -m experiments.mutation_pass [--no-such-option]"],
+      ["pip install -r requirements.txt && .ci/no_such_script"],
+      ["python -m experiments.recipe --config experiments/configs/toy.py 2>&1 | rm -rf /tmp/x"],
+  ]
+  for lines in bad:
+    cmds = _fence_commands("", lines)
+    assert cmds, lines
+    with pytest.raises(AssertionError):
+      for cmd in cmds:
+        _check(cmd, cmd)
+
+
+def test_the_sandbox_readme_and_the_evaluation_headline_are_checked():
+  assert os.path.join("sandbox", "README.md") in DOCS
+  assert any(c.startswith("python -m sandbox.server") for c in _commands("sandbox/README.md"))
+  headline = [c for c in _commands("docs/guides/evaluation.md")
+              if "eval_rstar2_agent_14b.py" in c and "--config.rollout.servers" in c]
+  assert headline, "the evaluation guide's headline command is not read as a command"
