@@ -424,3 +424,78 @@ def test_the_sandbox_readme_and_the_evaluation_headline_are_checked():
   headline = [c for c in _commands("docs/guides/evaluation.md")
               if "eval_rstar2_agent_14b.py" in c and "--config.rollout.servers" in c]
   assert headline, "the evaluation guide's headline command is not read as a command"
+
+
+# Words about the environment the project was built in rather than the project: a reader
+# cannot act on them, and cannot look up a tracker's numbers. Each pattern targets a
+# phrasing, not a word: "agent" (the rStar2-Agent policy, `AgentConfig`), HTTP and sandbox
+# sessions, pytest sessions and Linux login sessions are the project's own and stay.
+ENVIRONMENT_WORDS = [
+    (r"\b(?:other|another|fellow|several|many|two|three|four|five) agents?\b", "agents as co-workers"),
+    (r"\bagents'", "agents as co-workers"),
+    (r"\blent\b|\blends?\b|\blending\b", "machines lent to the work"),
+    (r"\bworkplace", "the workplace"),
+    (r"\b(?:this|our|shared|\d+-core) container\b", "the container the work ran in"),
+    (r"\b(?:in|during|from|for|of|within) this session\b", "a working session"),
+    (r"\bthis session's\b", "a working session"),
+    (r"\bsessions' (?:machines?|hosts?|time|budget)", "a working session"),
+    (r"\ba session (?:is|was|lasts|lasted|of) (?:about |up to )?\d", "a working session"),
+    (r"\b(?:working|work|coding|development|agent|helper|earlier|later|next|previous) sessions?\b",
+     "a working session"),
+    (r"\bissues? #?\d+(?:(?: ?/ ?| ?, | and )#?\d+)*", "a tracker number"),
+    (r"\(#\d+\)|\b(?:PR|pull request|ticket|tracker item) #?\d+", "a tracker number"),
+]
+WORDS_SCOPE = ["docs/**/*.md", "README.md", "WORKSPACE.md", "sandbox/README.md",
+               "notebooks/*.ipynb", "experiments/**/*.py", "rstar_jax/**/*.py", "sandbox/**/*.py",
+               "tests/**/*.py"]
+# This file names the words it looks for; nothing else is exempt.
+WORDS_EXEMPT = {os.path.relpath(os.path.abspath(__file__), REPO)}
+
+
+def _environment_hits(text: str) -> list[tuple[int, str, str]]:
+  """(line number, what matched, why) for each phrase about the work's environment."""
+  hits = []
+  for pattern, why in ENVIRONMENT_WORDS:
+    # A phrase may wrap: a space in a pattern is any run of white space, newlines too.
+    for m in re.finditer(pattern.replace(" ", r"\s+"), text, re.I):
+      hits.append((text.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()), why))
+  return sorted(hits)
+
+
+def _words_files() -> list[str]:
+  files = set()
+  for pattern in WORDS_SCOPE:
+    files.update(os.path.relpath(p, REPO)
+                 for p in glob.glob(os.path.join(REPO, pattern), recursive=True))
+  return sorted(files - WORDS_EXEMPT)
+
+
+def test_no_words_about_the_environment_the_project_was_built_in():
+  """The docs, notebooks and code speak of the project: not of who worked on it or where
+  (agents, machines lent by a workplace, "this container", a working session), and not
+  of tracker numbers a reader cannot look up ("issue 41", "(#37)"): say what the thing is."""
+  found = []
+  for rel in _words_files():
+    with open(os.path.join(REPO, rel), encoding="utf-8") as f:
+      text = f.read()
+    for n, what, why in _environment_hits(text):
+      line = text.splitlines()[n - 1].strip()
+      found.append(f"{rel}:{n}: {why}: {what!r} in {line[:160]!r}")
+  assert not found, "\n".join(["words about the environment, not the project:"] + found)
+
+
+def test_the_environment_words_are_found_and_the_project_words_are_not():
+  bad = ["2 cores shared with four other agents' jobs", "the sessions' machines were shared",
+         "a session is 3 hours", "On this workplace's lent GPU machines",
+         "it does in this container", "Measured (2-core shared container)",
+         "measured in this\nsession.", "refused in this\n  container", "An ablation (issue 41): x", "(issue 37)",
+         "issue 18/19", "Issues 6 and 18", "see #12 (#12)"]
+  good = ["the agent loop of rStar2-Agent", "AgentConfig.max_turns", "cfg.stage1.agent",
+          "a sandbox session keeps its globals", "close_session('nb-7')",
+          "the HTTP session is closed", "fails the session (exit 1)", "the session fixture",
+          "other sessions, other users (autogroups)", "e.g. a container runtime",
+          "pytree containers", "the issue is the deadline", "known issues"]
+  for text in bad:
+    assert _environment_hits(text), text
+  for text in good:
+    assert not _environment_hits(text), text
