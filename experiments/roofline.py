@@ -114,14 +114,41 @@ def matmul_params(cfg) -> int:
   return L * (2 * h * q + 2 * h * kv + 3 * h * i) + h * cfg.vocab_size
 
 
-def train_flops(cfg, batch: int, seq: int) -> float:
-  """Model FLOPs of one forward + backward pass over batch x seq tokens (PaLM's
-  convention, as MFU is usually stated): 6 N per token for the N matmul parameters,
-  plus 12 L q S per token for attention scores and values at sequence length S
-  (q = heads x head_dim), remat recomputation not counted."""
+def attention_flops(cfg, batch: int, seq: int, *, causal: bool = False) -> float:
+  """FLOPs of attention's two products (scores q k^T and probabilities x v) in one
+  forward + backward pass over batch x seq tokens: 2 products x 2 FLOPs a multiply-add x
+  3 (forward, two backward products) = 12 L q S^2 per sequence, q = heads x head_dim.
+
+  causal=True halves it (MaxText's convention): a causal mask leaves the upper triangle
+  of every score matrix unused, so a kernel that skips it (cuDNN's, `blockwise`) does
+  half the work. causal=False counts the full S x S products (PaLM's convention, and
+  what `train_flops` has always counted)."""
   q = cfg.num_attention_heads * cfg.head_dim
-  per_token = 6 * matmul_params(cfg) + 12 * cfg.num_hidden_layers * q * seq
-  return float(per_token * batch * seq)
+  full = 12 * cfg.num_hidden_layers * q * seq * seq * batch
+  return float(full / 2 if causal else full)
+
+
+def train_flops(cfg, batch: int, seq: int, *, causal: bool = False) -> float:
+  """Model FLOPs of one forward + backward pass over batch x seq tokens: 6 N per token for
+  the N matmul parameters plus `attention_flops` (12 L q S per token at sequence length
+  S, q = heads x head_dim; halved with causal=True), remat recomputation not counted.
+
+  causal=False is PaLM's convention (attention over the full S x S), causal=True
+  MaxText's (the causal half only). Counted in full, attention is 19% of a Qwen3-14B
+  step's FLOPs at 8192 tokens, so the causal count (and its MFU) is 9.7% lower there. A
+  report states which it used (`mfu_both`)."""
+  return float(6 * matmul_params(cfg) * batch * seq) + attention_flops(cfg, batch, seq,
+                                                                       causal=causal)
+
+
+def mfu_both(cfg, batch: int, seq: int, seconds: float, peak_gflops: float) -> dict[str, float]:
+  """MFU of one step of `seconds` against `peak_gflops` (the whole mesh's), labelled by
+  how attention FLOPs were counted: "full_attention" (PaLM) and "causal_attention"
+  (MaxText, half the attention FLOPs). 0.0 where there is no time or peak."""
+  if seconds <= 0 or not peak_gflops:
+    return {"full_attention": 0.0, "causal_attention": 0.0}
+  return {label: train_flops(cfg, batch, seq, causal=causal) / seconds / 1e9 / peak_gflops
+          for label, causal in (("full_attention", False), ("causal_attention", True))}
 
 
 def main(rounds: int = 5) -> None:

@@ -94,3 +94,58 @@ def test_matmul_chain_counts_the_flops_xla_counts():
   xla = roofline.xla_cost(chain, *args)["flops"]
   assert flops == 4 * 2 * 16 * 32 * 96
   assert flops <= xla < 1.02 * flops, (flops, xla)   # tanh's few flops on top
+
+
+def test_attention_flops_full_and_causal_by_hand():
+  """The config of test_train_flops_by_hand (2 layers, q = 2 heads x 4 = 8) at S = 5,
+  batch 3. Attention: 12 L q S^2 per sequence = 12 * 2 * 8 * 25 = 4800, x 3 = 14400 in
+  full; the causal half 7200. 6 N = 8448 per token, x 15 tokens = 126720: train FLOPs
+  141120 in full (as before), 133920 causal."""
+  cfg = Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+  assert roofline.attention_flops(cfg, 3, 5) == 14400.0
+  assert roofline.attention_flops(cfg, 3, 5, causal=True) == 7200.0
+  assert roofline.train_flops(cfg, 3, 5) == 141120.0
+  assert roofline.train_flops(cfg, 3, 5, causal=True) == 133920.0
+
+
+def test_mfu_both_labels_each_convention():
+  """Same config: 141120 and 133920 FLOPs in 0.5 s are 282240 and 267840 FLOP/s; against
+  a peak of 1e-3 GFLOP/s (1e6 FLOP/s): 0.28224 and 0.26784."""
+  cfg = Qwen3Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+  mfu = roofline.mfu_both(cfg, 3, 5, 0.5, 1e-3)
+  assert mfu == {"full_attention": pytest.approx(0.28224),
+                 "causal_attention": pytest.approx(0.26784)}
+  assert roofline.mfu_both(cfg, 3, 5, 0.0, 1e-3) == {"full_attention": 0.0,
+                                                      "causal_attention": 0.0}
+
+
+def test_causal_count_is_what_a_causal_kernel_computes():
+  """XLA's own count of one layer's attention products, with the upper triangle skipped
+  by computing the scores block by block (lower blocks only), against attention_flops'
+  causal half: exact on the diagonal blocks' full squares aside. Forward only here, so
+  a third of the 3x of fwd + bwd."""
+  b, s, h, d = 1, 64, 2, 8
+  cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                    num_attention_heads=h, num_key_value_heads=h, head_dim=d)
+  q = jnp.ones((b, h, s, d), jnp.float32)
+
+  def full(q, k, v):
+    return jnp.einsum("bhst,bhtd->bhsd", jnp.einsum("bhsd,bhtd->bhst", q, k), v)
+  xla_full = roofline.xla_cost(jax.jit(full), q, q, q)["flops"]
+  assert xla_full == pytest.approx(roofline.attention_flops(cfg, b, s) / 3, rel=1e-6)
+  # 4 query blocks of 16, each over the key blocks up to its own: 1+2+3+4 = 10 of 16
+  # block pairs; the causal half of 16 block pairs is 8, plus half the 4 diagonal ones.
+  n = 16
+
+  def blocked(q, k, v):
+    outs = []
+    for i in range(s // n):
+      qi = q[:, :, i * n:(i + 1) * n]
+      kk, vv = k[:, :, :(i + 1) * n], v[:, :, :(i + 1) * n]
+      outs.append(jnp.einsum("bhst,bhtd->bhsd", jnp.einsum("bhsd,bhtd->bhst", qi, kk), vv))
+    return jnp.concatenate(outs, axis=2)
+  xla_blocked = roofline.xla_cost(jax.jit(blocked), q, q, q)["flops"]
+  causal = roofline.attention_flops(cfg, b, s, causal=True) / 3
+  assert xla_blocked == pytest.approx(causal * 10 / 8, rel=1e-6)
