@@ -8,8 +8,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# RSTAR_TEST_XLA_FLAGS: XLA flags that change this host's rounding (another CPU kind's,
+# emulated; docs/testing.md). Every test process sees them, and so does every process a
+# test starts (tests/procs.py: cpu_env, xla_flags).
+_rounding = os.environ.get("RSTAR_TEST_XLA_FLAGS", "").strip()
+for _f in (_rounding, _flag):
+  if _f and _f not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _f).strip()
 
 import pytest  # noqa: E402
 

@@ -1,5 +1,22 @@
 """Process checks the tests share (a fleet, a batch script or a sweep leaving nothing behind)."""
+import os
 import time
+
+
+def xla_flags(*flags: str) -> str:
+  """XLA_FLAGS for a process a test starts: `flags` plus RSTAR_TEST_XLA_FLAGS (the
+  emulated other rounding of docs/testing.md, which must reach every process)."""
+  return " ".join(f for f in (*flags, os.environ.get("RSTAR_TEST_XLA_FLAGS", "").strip()) if f)
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+  """The environment of a subprocess that runs on one CPU device, as on a laptop: the
+  tests' 8 fake devices dropped, RSTAR_TEST_XLA_FLAGS kept."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+  env.pop("XLA_FLAGS", None)
+  if xla_flags():
+    env["XLA_FLAGS"] = xla_flags()
+  return env
 
 
 def alive(pid: int) -> bool:

@@ -52,7 +52,7 @@ def test_a_fleet_under_a_kill_schedule_finishes_with_the_uninterrupted_metrics(
                     "--config.mesh.enabled=True", "--config.mesh.fsdp=-1"),
       restart_backoff_s=0.0, log_dir=str(tmp_path / "logs"), startup_timeout_s=600)
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-           runtime_env={"env_vars": {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
+           runtime_env={"env_vars": {"XLA_FLAGS": procs.xla_flags(), "JAX_PLATFORMS": "cpu",
                                      "PYTHONPATH": REPO}})
   killed, pids = [], set()
   rng = random.Random(39)

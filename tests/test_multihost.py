@@ -14,13 +14,14 @@ import pytest
 
 from sandbox.launcher import free_port
 from tests.conftest import STALL_PROCS
+from tests import procs
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 
 
 def _env(devices: int) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=procs.xla_flags(f"--xla_force_host_platform_device_count={devices}"))
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return env
 

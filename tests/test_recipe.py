@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from tests import procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = "experiments/configs/toy.py:smoke"   # tiny sizes: the whole pipeline in about a minute
@@ -22,8 +23,7 @@ SMOKE = "experiments/configs/toy.py:smoke"   # tiny sizes: the whole pipeline in
 def _run(workdir, *extra, module="experiments.recipe", wait=True, check=True, config=SMOKE):
   cmd = [sys.executable, "-m", module, "--config", config, f"--config.workdir={workdir}",
          *extra]
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop
+  env = procs.cpu_env(PYTHONPATH=REPO)  # one CPU device, as on a laptop
   if not wait:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -409,7 +409,7 @@ def test_rl_stage_on_a_ray_fleet_survives_a_killed_sandbox_server(recipe_dir, st
       log_dir=str(tmp_path / "logs"), startup_timeout_s=240)
   # One CPU device per process, as the in-process reference ran.
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-           runtime_env={"env_vars": {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
+           runtime_env={"env_vars": {"XLA_FLAGS": procs.xla_flags(), "JAX_PLATFORMS": "cpu",
                                      "PYTHONPATH": REPO}})
   fleet = None
   try:
@@ -550,14 +550,17 @@ def straight_kl(recipe_dir, tmp_path_factory):
   return d
 
 
-def test_kl_to_the_stage_start_is_zero_at_step_1_and_grows(straight_kl, straight_rl):
-  """Issue 37: kl_coef > 0 died at RL step 1 (no reference log-probs). The reference is
-  the stage's starting policy (the SFT export), so the KL is 0 before the first update
-  and grows as the policy moves away from it."""
+def test_kl_to_the_stage_start_is_zero_at_step_1_and_positive_after(straight_kl, straight_rl):
+  """kl_coef > 0 through the recipe: the reference is the stage's starting policy (the
+  SFT export), so the KL is 0 before the first update and positive after it. Whether it
+  grows from one step to the next is not a property of a correct implementation (a
+  noisy step can move the policy back toward its start, and does on some CPU kinds'
+  rounding); its value is checked against an independent computation in
+  tests/rl/test_every_option.py."""
   rows = _metrics(os.path.join(straight_kl, "stage1", "metrics_rl.jsonl"))
   kl = [r["train/kl_loss"] for r in rows]
   assert [r["step"] for r in rows] == [1, 2, 3]
-  assert abs(kl[0]) < 1e-6 and 0 < kl[1] and kl[1] < kl[2], kl
+  assert abs(kl[0]) < 1e-6 and kl[1] > 1e-6 and kl[2] > 1e-6, kl
   assert all(r["time/ref_logp_s"] >= 0 for r in rows)
   # The first step's rollouts and policy-gradient loss are the KL-free run's (the
   # same policy sampled them); the KL term then changes the update.

@@ -10,6 +10,7 @@ import pytest
 
 from tests.test_recipe import (REPO, RL_ARGS, SMOKE, _assert_same_metrics, _copy_sft,  # noqa: F401
                                _metrics, recipe_dir, straight_rl, straight_run)
+from tests import procs
 
 
 @pytest.mark.slow
@@ -23,7 +24,7 @@ def test_a_killed_trainer_is_restarted_by_the_supervisor_and_matches_uninterrupt
       trainer_config=SMOKE, trainer_args=(f"--config.workdir={d}", *RL_ARGS),
       restart_backoff_s=0.5, log_dir=str(tmp_path / "logs"))
   ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-           runtime_env={"env_vars": {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
+           runtime_env={"env_vars": {"XLA_FLAGS": procs.xla_flags(), "JAX_PLATFORMS": "cpu",
                                      "PYTHONPATH": REPO}})
   killed = {}
   try:

@@ -819,8 +819,7 @@ def _positive_n(config):
 @pytest.mark.slow
 def test_real_recipe_two_points(tmp_path):
   """Two points of the smoke recipe (1 RL step) through the real entry point."""
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = procs.cpu_env(PYTHONPATH=REPO)
   root = tmp_path / "sw"
   args = ["--config", "experiments/configs/toy.py:smoke", "--workdir", str(root),
           "--sweep", "rl.downsample.method=roc,uniform", "--config.stage1.num_steps=1",
@@ -853,8 +852,7 @@ def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
 def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
   """A scheduler's SIGTERM to a sweep of the smoke recipe mid-SFT: the point saves and
   exits 143, the queued point does not start, and the rerun resumes SFT where it stopped."""
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = procs.cpu_env(PYTHONPATH=REPO)
   root = tmp_path / "sw"
   args = [sys.executable, "-m", "experiments.sweep", "--config",
           "experiments/configs/toy.py:smoke", "--workdir", str(root), "--sweep",

@@ -12,6 +12,7 @@ import pytest
 from rstar_jax.analysis import entropy
 from rstar_jax.model import qwen3
 from tests import toy_fixtures
+from tests import procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -210,8 +211,7 @@ def test_cli_end_to_end_on_tiny_export(tmp_path):
   hf_dir, model, tok = toy_fixtures.toy_export(str(tmp_path), seed=0)
   path = toy_fixtures.write_toy_samples(str(tmp_path / "samples.jsonl"), tok, n=6, seed=1)
   out = tmp_path / "out" / "entropy.json"
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = procs.cpu_env(PYTHONPATH=REPO)
   run = subprocess.run([sys.executable, "-m", "experiments.entropy", "--hf_dir", hf_dir,
                         "--trajectories", str(path), "--top_q", "0.25",
                         "--reflection_window", "4", "--out", str(out), "--save_entropies",

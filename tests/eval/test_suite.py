@@ -11,6 +11,7 @@ import pytest
 
 from tests import toy_fixtures
 from tests.eval import benchmark_fixtures as fx
+from tests import procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,9 +25,7 @@ def _cmd(workdir, hf_dir, benches, *extra):
 
 
 def _env():
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  return env
+  return procs.cpu_env(PYTHONPATH=REPO)
 
 
 def _run(*args, check=True):

@@ -189,12 +189,62 @@ def _one_sft_step(cfg, ctx, workdir, sft, model):
   assert np.isfinite(history[0]["sft/loss"]) and history[0]["sft/loss"] > 0
 
 
-def test_kl_to_the_reference_runs_and_is_zero_before_the_first_update(small):
-  """Not slow: the case issue 37 found. The policy IS the reference at step 1, so every
-  estimator's KL is 0 there (up to the two programs' float rounding)."""
-  _, _, _, _, rl, _, _ = small
-  m = _one_rl_step(small, "kl_zero", _replace(rl, "loss.kl_coef", 0.5))
-  assert abs(m["train/kl_loss"]) < 1e-6, m["train/kl_loss"]
+def _independent_kl(graphdef, params, ref_params, arrays, temperature: float) -> float:
+  """The token-mean k3 KL(policy || reference) on a batch's model-written tokens, from
+  each policy's full logits (not the trainer's chunked log-prob program), in float64."""
+  import jax
+  from flax import nnx
+
+  def logp(p):
+    model = nnx.merge(graphdef, jax.tree.map(np.asarray, p))
+    mask = np.asarray(arrays["attention_mask"], np.int32)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+    hidden, _ = model(np.asarray(arrays["input_ids"]), positions, segment_ids=mask)
+    z = np.asarray(model.logits(hidden), np.float64) / temperature
+    z = z - z.max(-1, keepdims=True)
+    lsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(lsm, np.asarray(arrays["target_ids"])[..., None], -1)[..., 0]
+
+  d = logp(ref_params) - logp(params)
+  k3 = np.clip(np.exp(d) - d - 1.0, -10.0, 10.0)
+  m = np.asarray(arrays["loss_mask"], np.float64)
+  return float((k3 * m).sum() / m.sum())
+
+
+def test_kl_to_the_reference_is_zero_at_step_1_and_equals_an_independent_computation(small):
+  """Not slow: the case where kl_coef > 0 died at the first RL step. The reference is
+  the stage's starting policy: at step 1 the policy IS the reference, so the KL is 0
+  (up to the two programs' float rounding); after an update it is positive and equals
+  k3 computed here from both policies' full logits on the step's own tokens. Nothing
+  here depends on how this host rounds (no trajectory's shape is asserted)."""
+  import jax
+  cfg, ctx, pool, root, rl, agent, _ = small
+  # A learning rate that moves the policy well past the KL's float rounding in one step.
+  rl = _replace(_replace(rl, "loss.kl_coef", 0.5), "optimizer.learning_rate", 1e-2)
+  t = rl_trainer.RLTrainer(rl, agent, _model(cfg, ctx), ctx.tokenizer, ctx.proto,
+                           ctx.train_problems, engines=pool, tools=ctx.tools,
+                           workdir=str(root / "kl_independent"), seed=0, mesh=ctx.mesh,
+                           rules=ctx.rules)
+  seen = []
+  step_fn = t.train_step
+
+  def spy(state, arrays):   # the parameters before the update, and the step's batch
+    seen.append((jax.tree.map(np.array, state.params),
+                 {k: np.array(v) for k, v in arrays.items()}))
+    return step_fn(state, arrays)
+  t.train_step = spy
+  ref = jax.tree.map(np.array, t.ref_params)
+  try:
+    history = t.run(2, progress=False)
+  finally:
+    t.close()
+  assert len(history) == len(seen) == 2 and all(m["update/skipped"] == 0.0 for m in history)
+  kl = [m["train/kl_loss"] for m in history]
+  assert abs(kl[0]) < 1e-6, kl
+  assert kl[1] > 1e-4, kl      # the first update moved the policy off its start
+  for (params, arrays), m in zip(seen, history):
+    want = _independent_kl(t.graphdef, params, ref, arrays, agent.temperature)
+    assert m["train/kl_loss"] == pytest.approx(want, rel=1e-3, abs=1e-7), (kl, want)
 
 
 def test_a_resumed_stage_has_the_same_reference_and_refuses_another(small):

@@ -41,6 +41,7 @@ import pytest
 from sandbox.launcher import free_port  # noqa: F401  (test_sglang_engine imports it from here)
 
 from rstar_jax.rollout.sglang_wire import SGLANG_VERSION  # the one pin
+from tests import procs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
            "sglang/srt/entrypoints/http_server.py", "sglang/srt/entrypoints/v1_loads.py",
@@ -243,7 +244,8 @@ class ServerProcess:
                RSTAR_COMPILE_CACHE=os.environ.get(
                    "RSTAR_COMPILE_CACHE", os.path.join("/tmp", "rstar_jax_test_compile_cache")))
     if one_device:
-      env.pop("XLA_FLAGS", None)   # as the recipe's own process runs in tests/test_recipe.py
+      # as the recipe's own process runs in tests/test_recipe.py
+      env = procs.cpu_env(**{k: env[k] for k in ("PYTHONPATH", "RSTAR_COMPILE_CACHE")})
     self._log = open(self.log_path, "w")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
