@@ -1,6 +1,6 @@
 r"""python -m experiments.bench_cluster --out /tmp/bench_cluster.json
 
-Scale-out costs on one machine (issue 16), three parts in one run:
+Scale-out costs on one machine (multi-process JAX, Ray fleets), three parts in one run:
   1. the sharded GRPO step (experiments/gpu_smoke.py) as 2 processes x 4 CPU devices
      (gloo collectives over loopback) against 1 process x 8 devices, interleaved:
      the multi-process overhead on the same 8 devices;

@@ -1,7 +1,7 @@
 r"""python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
 
 Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
-The larger size of issue 19: `--layers 8 --hidden 1024 --seq 1024 --batch 2
+A larger size: `--layers 8 --hidden 1024 --seq 1024 --batch 2
 --attention_chunk 128 --repeats 3`.
 
 The "jax" row runs `--attention_impl` (default "blockwise": causal query blocks of

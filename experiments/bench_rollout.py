@@ -228,7 +228,7 @@ def bench_generate():
   for key, label in (("jax", "rstar_jax JaxEngine"), ("torch", "transformers generate()")):
     print(f"    {label:<30}{med[key]:>10.3f}{min(times[key]):>10.3f}{ntok / med[key]:>11.0f}")
   print(f"    ratio JaxEngine / transformers tokens/s: {med['torch'] / med['jax']:.2f}x "
-        f"(target >= 2x, issue 19)")
+        f"(target >= 2x)")
   print(f"    JaxEngine first run incl. compile {first_jax:.2f} s -> compile ~"
         f"{first_jax - med['jax']:.2f} s (excluded above)")
   secs, calls = prof

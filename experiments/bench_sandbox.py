@@ -352,7 +352,7 @@ async def _run(url: str) -> dict:
         f"flight) more than {need:.0f} calls/s;\n  with this run's tail (p99 = {tail:.2f}x the "
         f"mean, {s32['mean_ms']:.0f} ms) more than {need * tail:.0f} calls/s. The limit above: "
         f"{limits['sympy solve']['limit_calls_s']:.1f} calls/s.")
-  print("\nTargets (issues 6 and 18, 2 cores):")
+  print("\nTargets (the sandbox service's, 2 cores):")
   for ok, text in (
       (s1["median_ms"] <= 20, f"sympy median <= 20 ms at c=1: {s1['median_ms']:.1f} ms"),
       (s32["calls_s"] >= 100, f"sympy >= 100 calls/s at c=32: {s32['calls_s']:.1f}"),

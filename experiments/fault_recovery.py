@@ -1,7 +1,7 @@
 r"""python -m experiments.fault_recovery --out /tmp/fault_recovery.json
 
 What a fault costs on this machine, and how often the 14B run should checkpoint
-(issue 39; docs/guides/fault_tolerance.md). Parts, in one run:
+(docs/guides/fault_tolerance.md). Parts, in one run:
 
   1. servers: a local Ray fleet of 1 sandbox server and 1 rollout server of ours (a
      random tiny checkpoint); each is SIGKILLed `--repeats` times, interleaved, and

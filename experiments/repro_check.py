@@ -6,7 +6,7 @@ r"""Two runs of one config, compared bit for bit; and what moves a rollout's bit
   python -m experiments.repro_check --engine_table                  # the cause, per choice
 
 Runs (default): the toy recipe twice, one after the other, from scratch in
-<workdir>/run0 and <workdir>/run1, with the same command (the issue-43 settings:
+<workdir>/run0 and <workdir>/run1, with the same command (the short-run settings:
 `--config.sft.epochs=0.5 --config.stage1.num_steps=<--steps> --config.stage2.num_steps=0
 --config.stage3.num_steps=0 --config.rl.checkpoint_every=2 --config.eval.after_sft=False
 --config.eval.k=1 --config.data.toy.eval_problems=32`, plus `--extra` flags), then

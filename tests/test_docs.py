@@ -431,7 +431,8 @@ def test_the_sandbox_readme_and_the_evaluation_headline_are_checked():
 # phrasing, not a word: "agent" (the rStar2-Agent policy, `AgentConfig`), HTTP and sandbox
 # sessions, pytest sessions and Linux login sessions are the project's own and stay.
 ENVIRONMENT_WORDS = [
-    (r"\b(?:other|another|fellow|several|many|two|three|four|five) agents?\b", "agents as co-workers"),
+    (r"\b(?:other|another|fellow|several|many|two|three|four|five) agents?\b",
+     "agents as co-workers"),
     (r"\bagents'", "agents as co-workers"),
     (r"\blent\b|\blends?\b|\blending\b", "machines lent to the work"),
     (r"\bworkplace", "the workplace"),
@@ -442,7 +443,7 @@ ENVIRONMENT_WORDS = [
     (r"\ba session (?:is|was|lasts|lasted|of) (?:about |up to )?\d", "a working session"),
     (r"\b(?:working|work|coding|development|agent|helper|earlier|later|next|previous) sessions?\b",
      "a working session"),
-    (r"\bissues? #?\d+(?:(?: ?/ ?| ?, | and )#?\d+)*", "a tracker number"),
+    (r"\bissues?(?: |-)#?\d+(?:(?: ?/ ?| ?, | and )#?\d+)*", "a tracker number"),
     (r"\(#\d+\)|\b(?:PR|pull request|ticket|tracker item) #?\d+", "a tracker number"),
 ]
 WORDS_SCOPE = ["docs/**/*.md", "README.md", "WORKSPACE.md", "sandbox/README.md",
@@ -488,8 +489,9 @@ def test_the_environment_words_are_found_and_the_project_words_are_not():
   bad = ["2 cores shared with four other agents' jobs", "the sessions' machines were shared",
          "a session is 3 hours", "On this workplace's lent GPU machines",
          "it does in this container", "Measured (2-core shared container)",
-         "measured in this\nsession.", "refused in this\n  container", "An ablation (issue 41): x", "(issue 37)",
-         "issue 18/19", "Issues 6 and 18", "see #12 (#12)"]
+         "measured in this\nsession.", "refused in this\n  container",
+         "An ablation (issue 41): x", "(issue 37)", "issue 18/19", "Issues 6 and 18",
+         "the issue-43 settings", "see #12 (#12)"]
   good = ["the agent loop of rStar2-Agent", "AgentConfig.max_turns", "cfg.stage1.agent",
           "a sandbox session keeps its globals", "close_session('nb-7')",
           "the HTTP session is closed", "fails the session (exit 1)", "the session fixture",

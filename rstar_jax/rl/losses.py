@@ -159,7 +159,7 @@ class LossConfig:
     get_aggregation(self.aggregation)
     # None validated, then refused at the first loss (`_seq_mean_token_sum_norm`) if no
     # one filled it in: `--config.rl.loss.aggregation=seq-mean-token-sum-norm` alone was
-    # refused here although the RL trainer supplies the stage's budget (issue 37).
+    # refused here although the RL trainer supplies the stage's budget.
     if self.max_response_len is not None and not (
         isinstance(self.max_response_len, int) and self.max_response_len > 0):
       raise ValueError("LossConfig.max_response_len must be None or a positive int, got "
