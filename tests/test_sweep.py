@@ -364,12 +364,11 @@ def stoppable(tmp_path):
   return args, env, hold, root
 
 
-def _wait_for(cond, what, timeout=120.0):
-  # A generous limit for a loaded machine: reaching it is the failure, not its speed.
-  t0 = time.monotonic()
+def _wait_for(cond, what):
+  """Polls until cond() holds (`what` names it for a reader of a hang's stack). No
+  deadline: a loaded machine is slow, not wrong; pytest-timeout ends a hang with every
+  thread's stack."""
   while not cond():
-    if time.monotonic() - t0 > timeout:
-      raise AssertionError(f"timed out waiting for {what}")
     time.sleep(0.05)
 
 
@@ -861,7 +860,7 @@ def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
   with open(tmp_path / "out", "w") as out:
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 2,
-              "two SFT steps", timeout=900)
+              "two SFT steps")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "out").read_text()
   points = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}

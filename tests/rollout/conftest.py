@@ -253,9 +253,10 @@ class ServerProcess:
          "--max_len", str(max_len), "--min_prefill_bucket", str(bucket), *extra_args],
         cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
-  def wait_ready(self, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+  def wait_ready(self) -> None:
+    """Until /health answers; a server that exits fails at once with its log. No deadline:
+    a start on a loaded host is slow, not wrong (pytest-timeout ends a hang)."""
+    while True:
       if self.proc.poll() is not None:
         raise AssertionError(f"server exited {self.proc.returncode}: "
                              f"{open(self.log_path).read()[-2000:]}")
@@ -266,7 +267,6 @@ class ServerProcess:
       except OSError:
         pass
       time.sleep(0.2)
-    raise AssertionError(f"server not ready in {timeout} s: {open(self.log_path).read()[-2000:]}")
 
   def kill(self) -> None:
     if self.proc.poll() is None:

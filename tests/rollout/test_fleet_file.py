@@ -71,10 +71,8 @@ def test_the_sandbox_tools_follow_a_moved_server_without_being_rebuilt(tmp_path)
       assert out[0]["status"] == "ok" and out[0]["stdout"].strip() == "42", out
       first_server.close()                           # the server and its node are gone
       write_fleet(path, {"sandbox": [new_home]}, 1)  # the supervisor re-created it
-      deadline = time.monotonic() + 60
-      while tools.urls != [new_home] and time.monotonic() < deadline:
+      while tools.urls != [new_home]:   # no deadline: pytest-timeout ends a hang
         time.sleep(0.05)
-      assert tools.urls == [new_home]
       out = asyncio.run(_execute(tools, "print(2 + 2)"))
       assert out[0]["status"] == "ok" and out[0]["stdout"].strip() == "4", out
 
