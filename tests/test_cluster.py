@@ -2,6 +2,7 @@
 fleet on a real local Ray (the whole fleet runs an RL stage in tests/test_recipe.py)."""
 import ast
 import os
+import queue as queue_lib
 
 import pytest
 
@@ -342,7 +343,7 @@ def _lose_the_trainer_s_node(tmp_path, work, nodes) -> dict:
   try:
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault(
-        "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+        "codes", fleet.run_trainers(server_check_s=1.0)))
     runner.start()
     _wait(lambda: (work / "ckpt0.json").exists()
           and json.loads((work / "ckpt0.json").read_text())[0] >= 3, "the third step")
@@ -352,7 +353,7 @@ def _lose_the_trainer_s_node(tmp_path, work, nodes) -> dict:
     _wait(lambda: pid() not in ("", first), "the trainer's start on the other node")
     out["moved_to"] = holder(pid())
     (work / "go").write_text("")                  # past step 6 only after the restart
-    runner.join(120)
+    runner.join()   # no deadline: a loaded host is slow, not wrong
     out["codes"] = result.get("codes")
     out["restarts"] = fleet.restarts
     out["final"] = (work / "final0").read_text() if (work / "final0").exists() else None
@@ -389,7 +390,18 @@ def _on_ray_nodes(tmp_path, scenario, trainer_src: str, *, head_cpus: int,
                                                    trainer_src, head_cpus, node_cpus, kwargs))
   proc.start()
   try:
-    out = queue.get(timeout=400)
+    # No deadline: until the cluster's process answers or dies (pytest-timeout ends a hang).
+    while True:
+      try:
+        out = queue.get(timeout=1.0)
+        break
+      except queue_lib.Empty:
+        if not proc.is_alive():   # what it put before it ended is already in the pipe
+          try:
+            out = queue.get(timeout=5.0)
+          except queue_lib.Empty:
+            out = {"error": f"the cluster's process ended (exit code {proc.exitcode}) unanswered"}
+          break
   finally:
     proc.join(60)
     if proc.is_alive():
@@ -472,7 +484,7 @@ def _lose_a_server_node(tmp_path, work, nodes, live: bool) -> dict:
     out["before"] = list(fleet.sandbox_urls)
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault(
-        "codes", fleet.run_trainers(timeout=240, server_check_s=1.0)))
+        "codes", fleet.run_trainers(server_check_s=1.0)))
     runner.start()
     _wait(lambda: (work / "starts").exists(), "the trainer's start")
     _wait(lambda: (work / "calls").exists(), "the trainer's first tool call")
@@ -488,7 +500,7 @@ def _lose_a_server_node(tmp_path, work, nodes, live: bool) -> dict:
             "the trainer's restart with the moved server")
       _wait(lambda: len((work / "calls").read_text().splitlines()) > 3, "calls")
     (work / "done").write_text("")
-    runner.join(60)
+    runner.join()   # no deadline: a loaded host is slow, not wrong
     out["after"] = list(fleet.sandbox_urls)
     out["codes"] = result.get("codes")
     out["healthy"] = [cluster._healthy(u) for u in out["after"]]
