@@ -64,7 +64,9 @@ The env section names every package that is still missing.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -81,12 +83,12 @@ from typing import Any, Callable
 from absl import app
 from absl import flags
 
-SECTIONS = ("env", "numerics", "train_step", "memory", "rollouts", "hf_io", "recipe")
+SECTIONS = ("env", "numerics", "train_step", "parts", "memory", "rollouts", "hf_io", "recipe")
 # Seconds each section may take on one H100 (its own limit; the whole check also stops
 # starting sections when --budget_s is spent). With --tiny (a CPU) they are 4x these:
 # a loaded 2-core host is slow too.
-SECTION_LIMIT_S = {"env": 90, "numerics": 150, "train_step": 300, "memory": 150,
-                   "rollouts": 200, "hf_io": 150, "recipe": 300}
+SECTION_LIMIT_S = {"env": 90, "numerics": 150, "train_step": 300, "parts": 200,
+                   "memory": 150, "rollouts": 200, "hf_io": 200, "recipe": 300}
 # Python packages the project imports (module name, distribution): the env section
 # lists what is missing.
 PACKAGES = (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("optax", "optax"),
@@ -100,35 +102,219 @@ PACKAGES = (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("optax", "o
 ENV_VARS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
             "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NCCL_DEBUG", "TF_CPP_MIN_LOG_LEVEL")
+# Packages that only the checks' references need (transformers reads the HF export back).
+REFERENCE_PACKAGES = (("transformers", "transformers"), ("torch", "torch"))
 
-flags.DEFINE_string("out", "", "directory for device_check.json and device_check.md")
-flags.DEFINE_boolean("tiny", False, "every section at toy sizes on a CPU (CI)")
-flags.DEFINE_list("sections", list(SECTIONS), f"sections to run, from {SECTIONS}")
-flags.DEFINE_integer("layers", 2, "decoder layers of the Qwen3-14B slice", lower_bound=1)
-flags.DEFINE_list("seq_lens", ["8192", "12288"],
-                  "train-step sequence lengths: the first for every attention "
-                  "implementation, the others for the 14B config's own only")
-flags.DEFINE_list("attention_impls", ["chunked", "blockwise", "dot_product"],
-                  "attention implementations timed in the train step (the 14B config's "
-                  "own, resolved on this device, is added if missing)")
-flags.DEFINE_integer("steps", 3, "timed train steps per case, after the compile step",
-                     lower_bound=1)
-flags.DEFINE_integer("slots", 64, "JaxEngine slots in the rollouts section", lower_bound=1)
-flags.DEFINE_float("budget_s", None, "no section starts after this many seconds (default: "
-                   "480 on an accelerator, none with --tiny, whose CPU times mean nothing)")
-flags.DEFINE_list("recipe_overrides", [],
-                  "extra --config.* arguments for the recipe section (e.g. shorter stages)")
-flags.DEFINE_string("scratch", "", "work directory (default: a temporary one, removed)")
-flags.DEFINE_string("xla_cache", os.path.join(tempfile.gettempdir(), "device_check_xla_cache"),
-                    "JAX's persistent compilation cache ('' for none): a re-run on the same "
-                    "machine loads its programs instead of compiling them")
-flags.DEFINE_string("inject_failure", "",
-                    "test hook: SECTION raises at its start, crash:SECTION exits its process "
-                    "at once (to show that the others still run and the failure is recorded)")
-# Internal: the driver runs each section as `--run_section NAME --section_result FILE`.
-flags.DEFINE_string("run_section", "", "internal: run one section in this process")
-flags.DEFINE_string("section_result", "", "internal: where the section writes its JSON")
-flags.DEFINE_string("context", "", "internal: JSON of the sections before (the limits)")
+# Every target a figure of the check is held to, in one table. A target changes only by
+# a commit of its own that says why (never in passing with other work): a run is judged
+# against what was decided before it ran, not against what it happened to measure.
+TARGETS: dict[str, float] = {
+    # train_step: model-FLOP utilisation of the data sheet's dense bf16 peak at the first
+    # --seq_lens (8192) with the 14B config's own attention. Stated against attention
+    # FLOPs counted in full (PaLM's convention, as set on 2026-11-27); the causal-halved
+    # MFU (MaxText's) is reported beside it.
+    "mfu_data_sheet_min": 0.45,
+    # dot_product (cuDNN): blockwise step time / dot_product step time, with cuDNN's
+    # fused attention (forward and backward) in the compiled step's HLO.
+    "dot_product_speedup_min": 1.0,
+    # dot_product against blockwise: first loss, relative difference.
+    "attention_loss_rel_diff_max": 2e-2,
+    # rollouts: the decode step's HBM roofline (measured bandwidth) / its measured time.
+    "decode_roofline_min": 0.5,
+    # rollouts: share of the scripted tool calls (2 per trajectory) that reach the
+    # sandbox, and share of those that run with status ok. Every one.
+    "scripted_calls_reached_min": 1.0,
+    "scripted_calls_ok_min": 1.0,
+    # memory: |measured peak / the CPU host's AOT plan (experiments.plan_memory) - 1|.
+    "memory_plan_rel_max": 0.15,
+    # numerics, bf16 against the fp32 reference at the highest matmul precision (the
+    # module docstring says why these).
+    "logits_rel_l2_max": 2e-2,
+    "logprob_mean_abs_diff_max": 0.05,
+    "loss_diff_over_mean_adv_max": 0.05,
+    "grad_cosine_min": 0.99,
+    "grad_norm_rel_diff_max": 0.05,
+    # numerics: bf16 was in fact used. Its logits must differ from fp32's by at least
+    # this relative L2: a quarter of bf16's unit roundoff (2^-8), above what TF32-class
+    # fp32 matmuls (2^-11) or fp32 itself give.
+    "bf16_logits_rel_l2_min": 1e-3,
+    # hf_io: logits of the export read by transformers (torch, fp32, CPU) against ours
+    # (fp32, highest precision) on the same tokens, relative L2.
+    "hf_logits_rel_l2_max": 1e-4,
+    # recipe (toy smoke, evaluated on 64 problems x 2 samples): the final pass@1 must
+    # show that the run learned. An untrained or broken model answers none; after the
+    # smoke SFT ~5% of direct answers are right (experiments/configs/toy.py), and this
+    # evaluation gave 0.039 (5 of 128) on a CPU. At least 2 of 128 (P = 1% to miss it
+    # by chance at 5%).
+    "recipe_pass_at_1_min": 2 / 128,
+    # recipe: the RL stage's mean rollout reward (a learning signal: mixed rewards in
+    # its groups; 0.047 on a CPU).
+    "recipe_rl_reward_min": 1e-9,
+}
+# The toy recipe's evaluation in the recipe section (before --recipe_overrides): 64
+# problems x 2 samples, so that a learned ~5% pass@1 shows (the smoke variant's own 4
+# problems x 2 gave 0 of 8 on the CPU and on the H100).
+RECIPE_EVAL_OVERRIDES = ("--config.data.toy.eval_problems=64", "--config.eval.k=2")
+# cuDNN's fused attention, as a custom call of the compiled step (forward; the backward
+# target ends in "Backward"), e.g. __cudnn$fmhaScaleBiasSoftmax.
+CUDNN_FMHA_PREFIX = "__cudnn$fmha"
+
+
+# --- checks: pure functions of the figures, (met, detail) ------------------------------------
+# met is True / False, or None where the target does not apply (a GPU target on a CPU).
+
+
+def check_backend(backend: str, platforms: list[str], want_accelerator: bool
+                  ) -> tuple[bool, str]:
+  """JAX's own backend (jax.default_backend()) and every device's platform are the
+  accelerator's (gpu / cuda / rocm) when one is wanted, the CPU otherwise: a GPU run
+  that fell back to the CPU (a missing plugin, JAX_PLATFORMS) fails here."""
+  accel = {"gpu", "cuda", "rocm"}
+  want = accel if want_accelerator else {"cpu"}
+  bad = sorted({p for p in platforms if p not in want})
+  if backend not in want:
+    return False, f"default backend {backend!r}, wanted {'/'.join(sorted(want))}"
+  if not platforms or bad:
+    return False, f"device platforms {sorted(set(platforms))}, wanted {'/'.join(sorted(want))}"
+  return True, f"{backend}: {len(platforms)} device(s)"
+
+
+def check_memory_vs_plan(measured: int | None, planned: int | None, plan_error: str = ""
+                         ) -> tuple[bool | None, str]:
+  """The device's measured peak bytes against the CPU host's ahead-of-time plan of the
+  same step (the plan the 14B figures come from), within TARGETS["memory_plan_rel_max"].
+  No plan is a failure; a backend that reports no peak (the CPU) makes it n/a."""
+  if planned is None:
+    return False, f"no CPU-host plan: {plan_error or 'missing'}"[:300]
+  if measured is None:
+    return None, "the backend reports no peak bytes"
+  ratio = measured / planned
+  tol = TARGETS["memory_plan_rel_max"]
+  return abs(ratio - 1) <= tol, f"measured {measured / 1e9:.3f} GB / planned {planned / 1e9:.3f} GB"
+
+
+def cudnn_fmha_calls(custom_calls: list[str]) -> tuple[list[str], list[str]]:
+  """(forward, backward) cuDNN fused-attention custom-call targets among `custom_calls`."""
+  fmha = [c for c in custom_calls if c.startswith(CUDNN_FMHA_PREFIX)]
+  return ([c for c in fmha if "Backward" not in c], [c for c in fmha if "Backward" in c])
+
+
+def check_dot_product_attention(custom_calls: list[str], speedup: float | None
+                                ) -> tuple[bool, str]:
+  """dot_product attention passes only if cuDNN's fused attention (forward and backward)
+  is among the compiled step's custom calls and the step is at least
+  TARGETS["dot_product_speedup_min"] x as fast as blockwise: fast XLA attention
+  standing in for cuDNN is a failure."""
+  fwd, bwd = cudnn_fmha_calls(custom_calls)
+  if not fwd or not bwd:
+    return False, (f"cuDNN fused attention NOT in the step (forward {fwd or 'none'}, "
+                   f"backward {bwd or 'none'})")
+  if speedup is None:
+    return False, "no speed ratio (a run failed)"
+  ok = speedup >= TARGETS["dot_product_speedup_min"]
+  return ok, f"{', '.join(fwd + bwd)} in the step; {speedup:.3g}x blockwise"
+
+
+def check_scripted_calls(expected: int, reached: int, ok: int) -> tuple[bool, str]:
+  """Every scripted tool call reaches the sandbox and runs with status ok."""
+  detail = f"{reached} of {expected} reached the sandbox, {ok} ran ok"
+  met = (expected > 0
+         and reached >= TARGETS["scripted_calls_reached_min"] * expected
+         and ok >= TARGETS["scripted_calls_ok_min"] * reached)
+  return met, detail
+
+
+def check_bf16_used(logits_rel_l2: float) -> tuple[bool, str]:
+  """bf16 compute differs from the fp32 reference by at least
+  TARGETS["bf16_logits_rel_l2_min"]: a bf16 result equal to fp32's means bf16 did not
+  run."""
+  if logits_rel_l2 == 0.0:
+    return False, "bf16 logits equal the fp32 reference exactly: bf16 did not run"
+  ok = logits_rel_l2 >= TARGETS["bf16_logits_rel_l2_min"]
+  return ok, "" if ok else "bf16 logits as close to fp32 as fp32 rounding: bf16 did not run"
+
+
+def check_hf_logits(rel_l2: float | None, error: str = "") -> tuple[bool, str]:
+  """The export read by transformers gives our logits (TARGETS["hf_logits_rel_l2_max"])."""
+  if rel_l2 is None:
+    return False, (error or "no transformers logits")[:300]
+  return rel_l2 <= TARGETS["hf_logits_rel_l2_max"], ""
+
+
+def check_recipe_learned(eval_final: dict[str, Any] | None, rl_done: dict[str, Any] | None
+                         ) -> list[tuple[str, Any, str, bool, str]]:
+  """The toy recipe's run learned: (name, value, target, met, detail) per figure.
+
+  - final pass@1 >= TARGETS["recipe_pass_at_1_min"] (a model that learned nothing, or
+    a broken pipeline, answers none: pass@1 0.0 with tool error rate 1.0 fails here);
+  - the RL stage's mean reward > 0 and its own `no_learning_signal` false.
+  The tool error rate is reported beside pass@1 but has no target: the smoke model's own
+  tool calls are malformed (it cannot copy numbers into code) on a CPU too (1.0 there);
+  the rollouts section's scripted calls check the sandbox."""
+  out = []
+  if not eval_final:
+    out.append(("recipe final pass@1", None, f">= {TARGETS['recipe_pass_at_1_min']:.4g}",
+                False, "no eval_final.json"))
+  else:
+    p = eval_final.get("pass_at_1")
+    terr = eval_final.get("tool_error_rate")
+    n = eval_final.get("num_samples")
+    met = p is not None and p >= TARGETS["recipe_pass_at_1_min"]
+    out.append(("recipe final pass@1", p, f">= {TARGETS['recipe_pass_at_1_min']:.4g}", met,
+                f"{n} samples; tool error rate {terr} (no target: see check_recipe_learned)"))
+  if not rl_done:
+    out.append(("recipe RL stage mean reward", None, "> 0", False, "no stage1/DONE.json"))
+  else:
+    r = rl_done.get("rollout/reward_mean")
+    met = (r is not None and r >= TARGETS["recipe_rl_reward_min"]
+           and not rl_done.get("no_learning_signal", True))
+    out.append(("recipe RL stage mean reward", r, "> 0 with a learning signal", met,
+                f"no_learning_signal={rl_done.get('no_learning_signal')}"))
+  return out
+
+
+def check_at_least(value: float | None, key: str) -> bool | None:
+  return None if value is None else value >= TARGETS[key]
+
+
+def check_at_most(value: float | None, key: str) -> bool | None:
+  return None if value is None else value <= TARGETS[key]
+
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs (`__main__`), not on import: the tests
+  import the check functions beside other entry points' modules with flags of these
+  names (`gpu_smoke` defines --out, --tiny, --steps)."""
+  flags.DEFINE_string("out", "", "directory for device_check.json and device_check.md")
+  flags.DEFINE_boolean("tiny", False, "every section at toy sizes on a CPU (CI)")
+  flags.DEFINE_list("sections", list(SECTIONS), f"sections to run, from {SECTIONS}")
+  flags.DEFINE_integer("layers", 2, "decoder layers of the Qwen3-14B slice", lower_bound=1)
+  flags.DEFINE_list("seq_lens", ["8192", "12288"],
+                    "train-step sequence lengths: the first for every attention "
+                    "implementation, the others for the 14B config's own only")
+  flags.DEFINE_list("attention_impls", ["chunked", "blockwise", "dot_product"],
+                    "attention implementations timed in the train step (the 14B config's "
+                    "own, resolved on this device, is added if missing)")
+  flags.DEFINE_integer("steps", 3, "timed train steps per case, after the compile step",
+                       lower_bound=1)
+  flags.DEFINE_integer("slots", 64, "JaxEngine slots in the rollouts section", lower_bound=1)
+  flags.DEFINE_float("budget_s", None, "no section starts after this many seconds (default: "
+                     "560 on an accelerator, none with --tiny, whose CPU times mean nothing)")
+  flags.DEFINE_list("recipe_overrides", [],
+                    "extra --config.* arguments for the recipe section (e.g. shorter stages)")
+  flags.DEFINE_string("scratch", "", "work directory (default: a temporary one, removed)")
+  flags.DEFINE_string("xla_cache", os.path.join(tempfile.gettempdir(), "device_check_xla_cache"),
+                      "JAX's persistent compilation cache ('' for none): a re-run on the same "
+                      "machine loads its programs instead of compiling them")
+  flags.DEFINE_string("inject_failure", "",
+                      "test hook: SECTION raises at its start, crash:SECTION exits its process "
+                      "at once (to show that the others still run and the failure is recorded)")
+  # Internal: the driver runs each section as `--run_section NAME --section_result FILE`.
+  flags.DEFINE_string("run_section", "", "internal: run one section in this process")
+  flags.DEFINE_string("section_result", "", "internal: where the section writes its JSON")
+  flags.DEFINE_string("context", "", "internal: JSON of the sections before (the limits)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -145,8 +331,8 @@ def slice_config(**overrides):
   if FLAGS.tiny:
     base.update(attention_chunk=16)
     return model_config.get_preset("tiny", **dict(base, **overrides))
-  return model_config.get_preset("qwen3-14b", num_hidden_layers=FLAGS.layers,
-                                 **dict(base, **overrides))
+  overrides.setdefault("num_hidden_layers", FLAGS.layers)
+  return model_config.get_preset("qwen3-14b", **dict(base, **overrides))
 
 
 def sizes() -> dict[str, Any]:
@@ -201,11 +387,19 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # an ImportError, or a package that fails on import
       missing.append({"module": module, "distribution": dist, "error": f"{type(e).__name__}: {e}"})
   out["missing_packages"] = missing
+  out["missing_reference_packages"] = []
+  for module, dist in REFERENCE_PACKAGES:   # the hf_io check needs them; its check fails
+    try:
+      importlib.import_module(module)
+    except Exception as e:
+      out["missing_reference_packages"].append(
+          {"module": module, "distribution": dist, "error": f"{type(e).__name__}: {e}"})
   versions = {}
   for dist in importlib.metadata.distributions():
     name = dist.metadata["Name"] or ""
     if name.lower().startswith(("jax", "flax", "optax", "orbax", "ml-dtypes", "ml_dtypes",
-                                "numpy", "nvidia-cudnn", "nvidia-nccl", "torch")):
+                                "numpy", "nvidia-cudnn", "nvidia-nccl", "torch",
+                                "transformers", "safetensors", "tokenizers")):
       versions[name] = dist.version
   out["versions"] = dict(sorted(versions.items()))
   out["env_vars"] = {k: os.environ.get(k) for k in ENV_VARS}
@@ -236,8 +430,10 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
   out["data_sheet"] = None if sheet is None else {"bf16_tflops": sheet[0], "hbm_tbs": sheet[1]}
   checks = [_check("packages the project imports are installed", len(missing), "0 missing",
                    not missing, ", ".join(m["distribution"] for m in missing))]
-  if _accelerator():
-    checks.append(_check("accelerator backend", out["backend"], "gpu / rocm", True))
+  want_accel = not FLAGS.tiny
+  checks.append(_check("JAX backend and device platforms", out["backend"],
+                       "gpu / cuda / rocm" if want_accel else "cpu (--tiny)",
+                       *check_backend(out["backend"], [d.platform for d in devices], want_accel)))
   out["checks"] = checks
   return out
 
@@ -286,12 +482,18 @@ def section_numerics(ctx: dict[str, Any]) -> dict[str, Any]:
   def logits_of(graphdef):
     return np.asarray(qwen3.forward_logits(nnx.merge(graphdef, params), tokens), np.float64)
 
-  l32, l16 = logits_of(graphdef32), logits_of(graphdef16)
+  # The fp32 reference at the highest matmul precision: a GPU's default lets fp32 matmuls
+  # run in TF32 (10-bit mantissa), which is not the reference bf16 is measured against.
+  with jax.default_matmul_precision("highest"):
+    l32 = logits_of(graphdef32)
+  l16 = logits_of(graphdef16)
   rel_l2 = float(np.linalg.norm(l16 - l32) / np.linalg.norm(l32))
   argmax_agree = float(np.mean(l16.argmax(-1) == l32.argmax(-1)))
-  _, lp32, _ = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
-  batch = dict(batch, old_logp=np.asarray(lp32) + 0.1 * rng.randn(*lp32.shape).astype(np.float32))
-  loss32, lp32, g32 = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
+  with jax.default_matmul_precision("highest"):
+    _, lp32, _ = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
+    batch = dict(batch,
+                 old_logp=np.asarray(lp32) + 0.1 * rng.randn(*lp32.shape).astype(np.float32))
+    loss32, lp32, g32 = _loss_and_grads(graphdef32, params, batch, sz["logprob_chunk"])
   loss16, lp16, g16 = _loss_and_grads(graphdef16, params, batch, sz["logprob_chunk"])
   mask = batch["loss_mask"] > 0
   lp_diff = float(np.abs(np.asarray(lp16) - np.asarray(lp32))[mask].mean())
@@ -302,15 +504,25 @@ def section_numerics(ctx: dict[str, Any]) -> dict[str, Any]:
   n32, n16 = np.linalg.norm(flat32), np.linalg.norm(flat16)
   cosine = float(flat32 @ flat16 / (n32 * n16))
   norm_rel = float(abs(n16 - n32) / n32)
+  t_ = TARGETS
   checks = [
-      _check("logits rel. L2 error, bf16 vs fp32", rel_l2, "<= 2e-2", rel_l2 <= 2e-2),
-      _check("token log-prob mean |diff| (nats)", lp_diff, "<= 0.05", lp_diff <= 0.05),
-      _check("GRPO-RoC loss |diff| / mean|advantage|", loss_diff / adv_scale, "<= 0.05",
-             loss_diff <= 0.05 * adv_scale),
-      _check("gradient cosine similarity", cosine, ">= 0.99", cosine >= 0.99),
-      _check("gradient norm rel. diff", norm_rel, "<= 0.05", norm_rel <= 0.05),
+      _check("logits rel. L2 error, bf16 vs fp32", rel_l2, f"<= {t_['logits_rel_l2_max']:g}",
+             check_at_most(rel_l2, "logits_rel_l2_max")),
+      _check("bf16 in use: logits rel. L2 vs fp32", rel_l2,
+             f">= {t_['bf16_logits_rel_l2_min']:g}", *check_bf16_used(rel_l2)),
+      _check("token log-prob mean |diff| (nats)", lp_diff,
+             f"<= {t_['logprob_mean_abs_diff_max']:g}",
+             check_at_most(lp_diff, "logprob_mean_abs_diff_max")),
+      _check("GRPO-RoC loss |diff| / mean|advantage|", loss_diff / adv_scale,
+             f"<= {t_['loss_diff_over_mean_adv_max']:g}",
+             check_at_most(loss_diff / adv_scale, "loss_diff_over_mean_adv_max")),
+      _check("gradient cosine similarity", cosine, f">= {t_['grad_cosine_min']:g}",
+             check_at_least(cosine, "grad_cosine_min")),
+      _check("gradient norm rel. diff", norm_rel, f"<= {t_['grad_norm_rel_diff_max']:g}",
+             check_at_most(norm_rel, "grad_norm_rel_diff_max")),
   ]
-  return {"batch": b, "seq": t, "num_params": cfg32.num_params, "logits_rel_l2": rel_l2,
+  return {"batch": b, "seq": t, "num_params": cfg32.num_params, "fp32_matmul_precision": "highest",
+          "logits_rel_l2": rel_l2,
           "logits_argmax_agreement": argmax_agree,
           "logits_max_abs_diff": float(np.abs(l16 - l32).max()),
           "logits_std": float(l32.std()), "logprob_mean_abs_diff": lp_diff,
@@ -331,6 +543,7 @@ def _peaks(ctx: dict[str, Any], n_dev: int) -> dict[str, float]:
 
 
 def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
+  from experiments import roofline
   from experiments import step_timing
   from rstar_jax.train import step as core
 
@@ -340,10 +553,7 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
   peaks = _peaks(ctx, n_dev)
   # The 14B config's attention on this device ("auto": cuDNN's kernel on an NVIDIA GPU,
   # "chunked" elsewhere) gets the MFU target and the longer sequences.
-  from experiments.configs import rstar2_agent_14b
-  from rstar_jax.model import qwen3
-  own = qwen3.resolve_attention_impl(rstar2_agent_14b.get_config().model.attention_impl,
-                                     "float32" if FLAGS.tiny else "bfloat16")
+  own = _own_attention()
   impls = list(FLAGS.attention_impls)
   if own not in impls:
     impls.insert(0, own)
@@ -363,6 +573,13 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
                                            logprob_chunk=sz["logprob_chunk"],
                                            compiled_text=True)
       run.update(step_timing.as_dict(timing, peaks), ok=True, peak_bytes=_peak_bytes())
+      # MFU both ways, labelled: attention FLOPs in full (PaLM; `mfu`, `flops`) and the
+      # causal half (MaxText).
+      run["flops_causal_attention"] = roofline.train_flops(cfg, timing.batch, timing.seq,
+                                                           causal=True)
+      run["mfu_both"] = {k: roofline.mfu_both(cfg, timing.batch, timing.seq,
+                                              timing.median_s, v)
+                         for k, v in peaks.items()}
     except Exception as e:  # e.g. out of memory at 12288: the other cases still count
       run.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
     run["seconds"] = time.perf_counter() - t0
@@ -376,31 +593,164 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
   checks = []
   main = by.get((own, seq0))
   mfu = main["mfu"].get("data_sheet") if main else None
-  checks.append(_check(f"MFU of the data sheet's bf16 peak, {own}, seq {seq0}", mfu, ">= 0.45",
-                       None if mfu is None or not accel else mfu >= 0.45,
-                       "" if accel else "CPU: no data sheet peak"))
+  causal = (main["mfu_both"].get("data_sheet") or {}).get("causal_attention") if main else None
+  checks.append(_check(f"MFU of the data sheet's bf16 peak, {own}, seq {seq0} "
+                       "(attention FLOPs in full)", mfu,
+                       f">= {TARGETS['mfu_data_sheet_min']:g}",
+                       check_at_least(mfu, "mfu_data_sheet_min") if accel else None,
+                       (f"causal-halved attention FLOPs (MaxText): {_fmt(causal)}" if accel
+                        else "CPU: no data sheet peak")))
   dpa, blk = by.get(("dot_product", seq0)), by.get(("blockwise", seq0))
+  target = f">= {TARGETS['dot_product_speedup_min']:g}, cuDNN fused attention in the HLO"
+  name = "dot_product (cuDNN) speed / blockwise speed"
   if dpa and blk:
     speed = blk["median_s"] / dpa["median_s"]
     scale = max(abs(blk["loss"][0]), 1e-6)
     loss_rel = abs(dpa["loss"][0] - blk["loss"][0]) / scale
-    cudnn = any("cudnn" in c.lower() for c in dpa["hlo_custom_calls"])
-    checks.append(_check("dot_product speed / blockwise speed", speed, ">= 1.0",
-                         speed >= 1.0 if accel else None,
-                         f"cuDNN fused attention {'in' if cudnn else 'NOT in'} the step"))
-    checks.append(_check("dot_product loss vs blockwise, rel. diff", loss_rel, "<= 2e-2",
-                         loss_rel <= 2e-2))
+    met, detail = check_dot_product_attention(dpa["hlo_custom_calls"], speed)
+    # On a CPU there is no cuDNN: the figure is reported, the target does not apply.
+    checks.append(_check(name, speed, target, met if accel else None, detail))
+    checks.append(_check("dot_product loss vs blockwise, rel. diff", loss_rel,
+                         f"<= {TARGETS['attention_loss_rel_diff_max']:g}",
+                         check_at_most(loss_rel, "attention_loss_rel_diff_max")))
   elif {"dot_product", "blockwise"} <= set(FLAGS.attention_impls):
-    checks.append(_check("dot_product speed / blockwise speed", None, ">= 1.0", False,
-                         "a run failed"))
+    checks.append(_check(name, None, target, False, "a run failed"))
   else:   # not asked for (--attention_impls): nothing to compare
-    checks.append(_check("dot_product speed / blockwise speed", None, ">= 1.0", None,
-                         "not both in --attention_impls"))
+    checks.append(_check(name, None, target, None, "not both in --attention_impls"))
   failed = [f"{r['attention_impl']}@{r['seq']}" for r in runs if not r["ok"]]
   checks.append(_check("train-step cases that ran", len(runs) - len(failed), f"{len(runs)}",
                        not failed, ", ".join(failed)))
   return {"num_params": slice_config().num_params, "mesh": dict(mesh.shape), "peaks_gflops": peaks,
           "runs": runs, "checks": checks}
+
+
+def _own_attention() -> str:
+  """The 14B config's attention_impl resolved on this device ("auto": "dot_product" on an
+  NVIDIA GPU in bf16, "chunked" elsewhere)."""
+  from experiments.configs import rstar2_agent_14b
+  from rstar_jax.model import qwen3
+  return qwen3.resolve_attention_impl(rstar2_agent_14b.get_config().model.attention_impl,
+                                      "float32" if FLAGS.tiny else "bfloat16")
+
+
+def padded_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict[str, Any]:
+  """[rows, seq] GRPO batch of random trajectories that do not fill their rows: row i
+  holds seq * (3/4 - i / (8 rows)) tokens (a quarter prompt), the rest is padding
+  (attention_mask 0), so the mask path of attention (the padding segment, 0) and of the
+  loss runs. T is `seq` (a power of two: build_batch rounds the longest row up to it).
+  One trajectory per row: the RL step's positions count from the row's start, so it
+  packs no second sequence into a row (SFT does)."""
+  import numpy as np
+
+  from rstar_jax.rl import batching
+  if seq & (seq - 1):
+    raise ValueError(f"padded_batch: seq {seq} must be a power of two")
+  rng = np.random.RandomState(seed)
+  trajs = []
+  for i in range(rows):
+    n = max(4, int(seq * (0.75 - i / (8 * rows))))
+    prompt = n // 4
+    resp = n + 1 - prompt
+    trajs.append(batching.TokenTrajectory(
+        prompt_ids=rng.randint(0, vocab_size, prompt).tolist(),
+        response_ids=rng.randint(0, vocab_size, resp).tolist(), response_mask=[1] * resp,
+        response_logprobs=(-rng.rand(resp) * 2).tolist()))
+  batch = batching.build_batch(trajs, rng.randn(rows).astype(np.float32), row_multiple=rows,
+                               length_multiple=8, pow2_lengths=True)
+  if batch["input_ids"].shape != (rows, seq):
+    raise AssertionError(f"padded_batch: shape {batch['input_ids'].shape} != {(rows, seq)}")
+  return batch
+
+
+def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
+  """What a train step's parts cost, measured in one process: the step of L and of 2L
+  layers on the same padded batch (per layer: the difference / L), the output head with
+  the log-probs alone (forward + backward) and the optimizer update alone."""
+  import gc
+
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from experiments import roofline
+  from experiments import step_timing
+  from rstar_jax import optim
+  from rstar_jax.model import qwen3
+  from rstar_jax.train import step as core
+
+  sz = sizes()
+  mesh = _mesh()
+  peaks = _peaks(ctx, mesh.devices.size)
+  own = _own_attention()
+  seq = sz["train_seqs"][0]
+  rows = core.batch_multiple(1, mesh)
+  layers = slice_config().num_hidden_layers
+  batch = padded_batch(slice_config().vocab_size, rows, seq)
+  real = int(batch["attention_mask"].sum())
+  out: dict[str, Any] = {"attention_impl": own, "rows": rows, "seq": seq,
+                         "real_tokens": real, "pad_share": 1 - real / (rows * seq), "steps": {}}
+  chunk = min(sz["logprob_chunk"], seq)
+  for n in (layers, 2 * layers):
+    cfg = slice_config(attention_impl=own, num_hidden_layers=n)
+    timing = step_timing.time_train_step(cfg, mesh, batch=batch, steps=FLAGS.steps,
+                                         logprob_chunk=chunk)
+    out["steps"][str(n)] = {"median_s": timing.median_s, "step_s": timing.step_s,
+                            "loss": timing.loss, "compile_s": timing.compile_s,
+                            "flops": timing.flops, "flops_causal_attention":
+                            roofline.train_flops(cfg, rows, seq, causal=True)}
+    del timing
+    gc.collect()
+  t1, t2 = out["steps"][str(layers)], out["steps"][str(2 * layers)]
+  per_layer = (t2["median_s"] - t1["median_s"]) / layers
+  out["per_layer_s"] = per_layer
+  out["rest_s"] = t1["median_s"] - layers * per_layer   # embedding, head, loss, optimizer
+  out["per_layer_mfu"] = {}
+  if per_layer > 0:
+    for conv, key in (("full_attention", "flops"), ("causal_attention", "flops_causal_attention")):
+      flops = (t2[key] - t1[key]) / layers
+      out["per_layer_mfu"][conv] = {k: flops / per_layer / 1e9 / v for k, v in peaks.items()}
+  # The head and the log-probs alone: the unembedding matmul, log-softmax and gather in
+  # chunks, forward and backward, on random final hidden states.
+  cfg = slice_config(attention_impl=own, num_hidden_layers=layers)
+  model = qwen3.create_model(cfg, seed=0)
+  graphdef, params = nnx.split(model)
+  del model
+  hidden = jax.random.normal(jax.random.PRNGKey(1), (rows, seq, cfg.hidden_size),
+                             jnp.dtype(cfg.dtype))
+  targets = jnp.asarray(batch["target_ids"])
+
+  def head(p, h):
+    return nnx.merge(graphdef, p).token_logprobs(h, targets, chunk=chunk).sum()
+  head_grad = jax.jit(jax.value_and_grad(head, argnums=(0, 1)))
+  out["head_logprobs_s"] = roofline._median_time(
+      lambda: jax.block_until_ready(head_grad(params, hidden)), FLAGS.steps)
+  del head_grad, hidden
+  gc.collect()
+  # The optimizer alone: the train step's AdamW update (with its clipping) of the L-layer
+  # slice's parameters, state donated as in the step.
+  tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-6, warmup_steps=0))
+  holder = [params, tx.init(params)]
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def update(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def run_update():
+    holder[0], holder[1] = update(holder[0], holder[1], grads)
+    jax.block_until_ready(holder[0])
+  out["optimizer_s"] = roofline._median_time(run_update, FLAGS.steps)
+  del holder, grads, params
+  jax.clear_caches()
+  out["checks"] = [_check(
+      "per-layer step cost, (2L step - L step) / L", per_layer, "> 0",
+      (per_layer > 0) if _accelerator() else None,
+      f"L = {layers}; head + log-probs {out['head_logprobs_s']:.4g} s, optimizer "
+      f"{out['optimizer_s']:.4g} s, rest of the L step {out['rest_s']:.4g} s; "
+      f"{out['pad_share']:.0%} padding" + ("" if _accelerator() else "; CPU: timing only"))]
+  return out
 
 
 def section_memory(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -443,17 +793,49 @@ def section_memory(ctx: dict[str, Any]) -> dict[str, Any]:
                                        logprob_chunk=sz["logprob_chunk"])
   measured = _peak_bytes()
   out.update(measured_peak_bytes=measured, step_s=timing.median_s)
-  checks = []
   for name in ("this_device", "cpu_host"):
     planned = plans[name].get("peak_bytes")
-    ratio = measured / planned if measured and planned else None
-    out[f"measured_over_plan_{name}"] = ratio
-    if name == "this_device":
-      checks.append(_check("measured peak / AOT plan (this device)", ratio, "within 0.85..1.15",
-                           None if ratio is None else abs(ratio - 1) <= 0.15,
-                           "" if measured else "the backend reports no peak bytes"))
-  out["checks"] = checks
+    out[f"measured_over_plan_{name}"] = measured / planned if measured and planned else None
+  # The check: the measured peak against the CPU host's plan, the one the 14B memory
+  # figures come from (experiments/plan_memory.py on fake CPU devices). The plan for this
+  # device is reported beside it, not checked: it is the compiled program's own memory
+  # analysis, which the allocator's peak matches by construction (1.0000002 on the H100).
+  cpu = plans["cpu_host"]
+  met, detail = check_memory_vs_plan(measured, cpu.get("peak_bytes"), cpu.get("error", ""))
+  tol = TARGETS["memory_plan_rel_max"]
+  out["checks"] = [_check("measured peak / CPU-host AOT plan", out["measured_over_plan_cpu_host"],
+                          f"within {1 - tol:.2f}..{1 + tol:.2f}", met, detail)]
   return out
+
+
+class PlainThinking:
+  """The engine a scripted rollout thinks with (`ToolCallingEngine`), less the markup: a
+  thinking turn's random tokens that would spell a protocol tag (any token with '<' or
+  '>' in its text, and the tokenizer's special tokens) become a plain token, so the
+  turn's text is thinking and then exactly one scripted call. A random model samples
+  the tags as ordinary tokens, and a turn holding one parsed as a malformed call that
+  never reached the sandbox. Other turns pass through unchanged."""
+
+  def __init__(self, inner, tokenizer):
+    self.inner = inner
+    vocab = tokenizer.vocab_size
+    special = set(getattr(tokenizer, "special_ids", None) or ())
+    texts = {i: tokenizer.decode([i]) for i in range(vocab)}
+    self.banned = {i for i, t in texts.items() if "<" in t or ">" in t or i in special}
+    self.filler = next(i for i, t in texts.items()
+                       if i not in self.banned and t.strip().isalpha())
+    self.replaced = 0
+
+  async def generate(self, request):
+    out = await self.inner.generate(request)
+    if request.stop_token_ids:   # not a thinking turn (those sample with no stop ids)
+      return out
+    ids = [self.filler if i in self.banned else i for i in out.output_ids]
+    self.replaced += sum(a != b for a, b in zip(ids, out.output_ids))
+    return dataclasses.replace(out, output_ids=ids)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
 
 
 def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -525,8 +907,9 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   del engine, model
   checks = []
   frac = out["engine"]["roofline_fraction"]
-  checks.append(_check("decode step / HBM roofline (measured bandwidth)", frac, ">= 0.5",
-                       None if frac is None or not _accelerator() else frac >= 0.5,
+  checks.append(_check("decode step / HBM roofline (measured bandwidth)", frac,
+                       f">= {TARGETS['decode_roofline_min']:g}",
+                       check_at_least(frac, "decode_roofline_min") if _accelerator() else None,
                        "" if _accelerator() else "CPU"))
   # (2) multi-turn rollouts through the agent loop, the sandbox and the tool protocol.
   tok = toy_task.train_toy_tokenizer(1024)
@@ -540,7 +923,9 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   calls = {u: tok.encode(chat.assistant_text({"content": "", "tool_calls": [{
       "name": toy_task.TOY_TOOL_NAME, "arguments": {"code": pr.code}}]}))
            for u, pr in zip(uids, problems)}
-  scripted = ToolCallingEngine(EnginePool([engine]), calls, calls_per_traj=2,
+  calls_per_traj = 2
+  scripted = ToolCallingEngine(PlainThinking(EnginePool([engine]), tok), calls,
+                               calls_per_traj=calls_per_traj,
                                think_tokens=sz["think_tokens"], vocab_size=small.vocab_size)
   weak = shutil.which("bwrap") is None
   try:
@@ -573,6 +958,7 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   out["agent"] = {"trajectories": len(trajs), "tool_calls": n_calls, "tool_errors": n_err,
                   "tool_statuses": dict(statuses), "scripted_calls": len(scripted),
                   "scripted_failed": len(failed),
+                  "think_tokens_replaced": scripted.engine.replaced,
                   # what the sandbox said for the first few failed scripted calls
                   "scripted_failures": [{k: str(v)[:400] for k, v in r.items()}
                                         for _, r in failed[:4]],
@@ -580,25 +966,38 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
                   "tool_latency_ms_median": float(np.median(tools.latencies) * 1e3)
                   if tools.latencies else None,
                   "finish_reasons": sorted({tr.finish_reason for tr in trajs})}
-  # A scripted turn's random thinking may itself sample the tool-call tags (they are
-  # ordinary tokens to a random model), and the turn then parses as one malformed call:
-  # fewer than 2k scripted calls reach the sandbox (30 of 32 on the H100, 2026-11-27,
-  # with 5 parse errors). What the check asks of the sandbox is that every one that
-  # reaches it runs.
-  checks.append(_check("scripted tool calls that ran with status ok",
-                       f"{len(scripted) - len(failed)} of {len(scripted)}",
-                       f"all, >= {k} reached the sandbox",
-                       len(scripted) >= k and not failed,
-                       "sandbox with --allow-weak-isolation (no bubblewrap)" if weak else ""))
+  # Every scripted call must reach the sandbox and run: the thinking before it cannot
+  # spell the protocol's tags (PlainThinking), which made 5 of 35 calls on the H100
+  # (2026-11-27) parse as malformed calls.
+  expected = calls_per_traj * k
+  checks.append(_check("scripted tool calls that reached the sandbox and ran ok",
+                       f"{len(scripted) - len(failed)} of {expected}",
+                       "all reach the sandbox, all status ok",
+                       *check_scripted_calls(expected, len(scripted), len(scripted) - len(failed))))
+  if weak:
+    checks[-1]["note"] += "; sandbox with --allow-weak-isolation (no bubblewrap)"
   out["checks"] = checks
   jax.clear_caches()
   return out
+
+
+def transformers_logits(export_dir: str, tokens) -> "np.ndarray":
+  """Logits of `tokens` [B, T] from the HF export as transformers reads it
+  (Qwen3ForCausalLM, torch fp32 on the CPU: the reference does not depend on the
+  accelerator)."""
+  import numpy as np
+  import torch
+  import transformers
+  hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return hf(torch.tensor(np.asarray(tokens))).logits.float().numpy()
 
 
 def section_hf_io(ctx: dict[str, Any]) -> dict[str, Any]:
   del ctx
   from flax import nnx
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
   from rstar_jax.model import hf_io, qwen3
@@ -606,6 +1005,7 @@ def section_hf_io(ctx: dict[str, Any]) -> dict[str, Any]:
   cfg = slice_config(remat_policy="none")
   model = qwen3.create_model(cfg, seed=0)
   where = tempfile.mkdtemp(prefix="device_check_hf_", dir=_scratch())
+  out: dict[str, Any] = {}
   try:
     t = time.perf_counter()
     hf_io.save_hf(model, where, dtype="bfloat16")
@@ -613,7 +1013,8 @@ def section_hf_io(ctx: dict[str, Any]) -> dict[str, Any]:
     nbytes = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where)
                  if f.endswith(".safetensors"))
     t = time.perf_counter()
-    loaded = hf_io.load_hf(where, mesh=_mesh(), param_dtype="float32", dtype="bfloat16")
+    # fp32 compute: the loaded model is also the logits' side of the transformers check.
+    loaded = hf_io.load_hf(where, mesh=_mesh(), param_dtype="float32", dtype="float32")
     jax.block_until_ready(nnx.split(loaded)[1])
     load_s = time.perf_counter() - t
     # The loaded weights are the exported ones: the originals rounded to bf16.
@@ -624,13 +1025,31 @@ def section_hf_io(ctx: dict[str, Any]) -> dict[str, Any]:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       ref = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
       worst = max(worst, float(np.abs(ref - np.asarray(y, np.float32)).max()))
+    del model, a
+    # The export read by transformers: its logits against ours on the same tokens.
+    tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 16))
+    with jax.default_matmul_precision("highest"):
+      ours = np.asarray(qwen3.forward_logits(loaded, jnp.asarray(tokens)), np.float64)
+    hf_rel, hf_error = None, ""
+    t = time.perf_counter()
+    try:
+      theirs = transformers_logits(where, tokens).astype(np.float64)
+      hf_rel = float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+      out["hf_logits_max_abs_diff"] = float(np.abs(ours - theirs).max())
+    except Exception as e:   # transformers or torch missing, or a load that fails
+      hf_error = f"{type(e).__name__}: {e}"[:2000]
+    out["transformers_s"] = time.perf_counter() - t
   finally:
     shutil.rmtree(where, ignore_errors=True)
-  return {"bytes": nbytes, "save_s": save_s, "load_s": load_s,
-          "save_gbs": nbytes / save_s / 1e9, "load_gbs": nbytes / load_s / 1e9,
-          "max_abs_diff_vs_bf16_rounded": worst,
-          "checks": [_check("loaded weights == exported (bf16-rounded) weights", worst, "== 0",
-                            worst == 0.0)]}
+  out.update({"bytes": nbytes, "save_s": save_s, "load_s": load_s,
+              "save_gbs": nbytes / save_s / 1e9, "load_gbs": nbytes / load_s / 1e9,
+              "max_abs_diff_vs_bf16_rounded": worst, "hf_logits_rel_l2": hf_rel,
+              "hf_error": hf_error})
+  out["checks"] = [
+      _check("loaded weights == exported (bf16-rounded) weights", worst, "== 0", worst == 0.0),
+      _check("transformers logits of the export vs ours, rel. L2", hf_rel,
+             f"<= {TARGETS['hf_logits_rel_l2_max']:g}", *check_hf_logits(hf_rel, hf_error))]
+  return out
 
 
 def section_recipe(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -644,7 +1063,7 @@ def section_recipe(ctx: dict[str, Any]) -> dict[str, Any]:
           "(rlimits only, no namespaces)", flush=True)
   cmd = [sys.executable, "-m", "experiments.recipe",
          "--config=experiments/configs/toy.py:smoke", f"--config.workdir={workdir}",
-         *FLAGS.recipe_overrides]
+         *RECIPE_EVAL_OVERRIDES, *FLAGS.recipe_overrides]
   t = time.perf_counter()
   run = subprocess.run(cmd, cwd=_repo(), env=env, capture_output=True, text=True)
   wall = time.perf_counter() - t
@@ -655,18 +1074,24 @@ def section_recipe(ctx: dict[str, Any]) -> dict[str, Any]:
     with open(final) as f:
       report = json.load(f)
     out["eval_final"] = {k: v for k, v in report.items() if not isinstance(v, (list, dict))}
+  done = os.path.join(workdir, "stage1", "DONE.json")
+  if os.path.exists(done):
+    with open(done) as f:
+      out["rl_stage1"] = json.load(f)
   if run.returncode != 0:
     out["output_tail"] = (run.stdout[-2000:] + "\n" + run.stderr[-3000:])
   shutil.rmtree(workdir, ignore_errors=True)
   out["checks"] = [_check("toy recipe (smoke) exits 0", run.returncode, "0",
                           run.returncode == 0, "weak isolation" if weak else "")]
+  out["checks"] += [_check(*c) for c in check_recipe_learned(out.get("eval_final"),
+                                                             out.get("rl_stage1"))]
   return out
 
 
 SECTION_FNS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "env": section_env, "numerics": section_numerics, "train_step": section_train_step,
-    "memory": section_memory, "rollouts": section_rollouts, "hf_io": section_hf_io,
-    "recipe": section_recipe}
+    "parts": section_parts, "memory": section_memory, "rollouts": section_rollouts,
+    "hf_io": section_hf_io, "recipe": section_recipe}
 assert tuple(SECTION_FNS) == SECTIONS
 
 
@@ -759,7 +1184,7 @@ def run_check() -> dict[str, Any]:
       "commit": _commit(), "command": " ".join(["python -m experiments.device_check"]
                                                + sys.argv[1:]),
       "tiny": FLAGS.tiny, "load_average": list(os.getloadavg()), "sections": {}}
-  budget = FLAGS.budget_s if FLAGS.budget_s is not None else (1e9 if FLAGS.tiny else 480.0)
+  budget = FLAGS.budget_s if FLAGS.budget_s is not None else (1e9 if FLAGS.tiny else 560.0)
   context_path = os.path.join(_scratch(), "context.json")
   for name in SECTIONS:
     if name not in FLAGS.sections:
@@ -851,18 +1276,32 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{met} | {c['note']} |")
   ts = report["sections"].get("train_step", {})
   if ts.get("runs"):
-    lines += ["", "| attention | seq | step ms | tokens/s | MFU (measured peak) | "
+    lines += ["", "MFU: attention FLOPs in full (PaLM) / causal half (MaxText).", "",
+              "| attention | seq | step ms | tokens/s | MFU (measured peak) | "
               "MFU (data sheet) | kernels |", "|---|---|---|---|---|---|---|"]
     for r in ts["runs"]:
       if r["ok"]:
         kernels = ", ".join(c for c in r["hlo_custom_calls"] if "cudnn" in c.lower()
                             or "triton" in c.lower()) or "-"
+        both = r.get("mfu_both", {})
+        mfu = {k: f"{_fmt(r['mfu'].get(k))} / "
+                  f"{_fmt((both.get(k) or {}).get('causal_attention'))}"
+               for k in ("measured", "data_sheet")}
         lines.append(f"| {r['attention_impl']} | {r['seq']} | {1e3 * r['median_s']:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {_fmt(r['mfu'].get('measured'))} | "
-                     f"{_fmt(r['mfu'].get('data_sheet'))} | {kernels} |")
+                     f"{r['tokens_per_s']:,.0f} | {mfu['measured']} | "
+                     f"{mfu['data_sheet']} | {kernels} |")
       else:
         lines.append(f"| {r['attention_impl']} | {r['seq']} | failed: "
                      f"{r['error'].splitlines()[0][:120]} | | | | |")
+  parts = report["sections"].get("parts", {})
+  if parts.get("ok"):
+    steps = ", ".join(f"{n} layers {1e3 * v['median_s']:.1f} ms"
+                      for n, v in parts["steps"].items())
+    lines += ["", f"- parts ({parts['attention_impl']}, {parts['rows']} x {parts['seq']}, "
+              f"{parts['pad_share']:.0%} padding, one process): {steps}; per layer "
+              f"{1e3 * parts['per_layer_s']:.2f} ms; head + log-probs "
+              f"{1e3 * parts['head_logprobs_s']:.2f} ms; optimizer "
+              f"{1e3 * parts['optimizer_s']:.2f} ms"]
   return "\n".join(lines) + "\n"
 
 
@@ -889,4 +1328,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
