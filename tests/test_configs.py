@@ -31,6 +31,7 @@ def _load(spec=TOY):
 def _14b():
   c = _load(os.path.join(REPO, "experiments/configs/rstar2_agent_14b.py"))
   c.model.hf_dir, c.tokenizer.path, c.data.train_files = "/m", "/m", ("/d.parquet",)
+  c.rollout.servers = ("http://node4:30000",)   # rollout.backend="sglang": URLs at launch
   return c
 
 

@@ -1,26 +1,59 @@
-r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.py --config.workdir=/ckpt/rstar2_14b --config.model.hf_dir=/models/Qwen3-14B-Base --config.tokenizer.path=/models/Qwen3-14B-Base --config.data.train_files="('/data/dapo_aops_euler.parquet',)" --config.data.eval_files="('/data/aime24.jsonl',)" --config.sft.data.files="('/data/sft.jsonl',)"
+r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.py --config.workdir=/shared/rstar/runs/rstar2_14b --config.model.hf_dir=/shared/rstar/ckpt/qwen3-14b-sft --config.tokenizer.path=/shared/rstar/ckpt/qwen3-14b-sft --config.data.train_files="('/shared/rstar/data/dapo_aops_euler.parquet',)" --config.data.eval_files="('/shared/rstar/data/aime24.jsonl',)" --config.sft.data.files="('/shared/rstar/data/sft.jsonl',)" --config.rollout.servers="('http://node4:30000','http://node4:30001')" --config.tools.urls="('http://node0:8321',)" --config.rollout.weight_sync.dir=/shared/rstar/weights
 
 rStar2-Agent-14B: the report's recipe for Qwen3-14B-Base on 64 accelerators.
 
-Numbers are the rStar2-Agent report's unless marked. Multi-host: the same command on
-every trainer host, one process each, joined by `config.distributed` (coordinator
-address, process count and id; or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-JAX_PROCESS_ID; under SLURM nothing), with rollouts on SGLang servers
-(`--config.rollout.backend=sglang --config.rollout.servers=...`) and sandbox servers in
---config.tools.urls. `experiments/slurm/rstar2_14b.sbatch` and
-`python -m experiments.launch_cluster` start the whole fleet (docs/guides/cluster.md).
+Numbers are the rStar2-Agent report's unless marked. The command above runs on each
+of the layout's trainer hosts (one process each, joined by `config.distributed`, the
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables, or SLURM's), with
+rollouts on the SGLang servers listed in --config.rollout.servers (rollout.backend is
+"sglang": the in-process "jax" backend is refused by a multi-process run) and sandboxes
+at --config.tools.urls; every path on storage all nodes share. Nobody types all of that:
+`sbatch experiments/slurm/rstar2_14b.sbatch` (SLURM) or
+`python -m experiments.launch_cluster --config experiments/configs/rstar2_agent_14b.py:cluster`
+(Ray) start the fleet and the trainer from this file (docs/guides/cluster.md).
+
+The layout is stated once, here (LAYOUT, TENSOR, RL_SEQS_PER_SHARD): the recipe's mesh
+and micro-batches below follow from it, the `:layout` variant is it as a section (what
+`python -m experiments.preflight --config experiments/configs/rstar2_agent_14b.py` checks
+and `--print_layout` hands the batch script), `:cluster` is launch_cluster's fleet.
 """
+import ml_collections
+
+from experiments import preflight
 from rstar_jax import config_utils as cu
+from rstar_jax.recipe import cluster
 from rstar_jax.recipe import stages as recipe
 
+# 8 nodes x 8 MI300X: nodes 0-3 train (32 devices), nodes 4-7 serve rollouts (one SGLang
+# server per GPU: 32), a sandbox server on each trainer node's CPUs. Why this split and
+# not colocated training and rollouts: docs/guides/cluster.md ("The 14B layout").
+LAYOUT = dict(accelerator="MI300X", nodes=8, gpus_per_node=8, trainer_nodes=4,
+              servers_per_node=8, gpus_per_server=1, sglang_mem_fraction=0.85,
+              trainer_mem_fraction=0.9, sandbox_servers_per_node=1, sandbox_children=64)
+TENSOR = 4              # tensor axis inside a node; fsdp spans the rest of the trainer devices
+RL_SEQS_PER_SHARD = 4   # sequences per micro-batch per fsdp shard in RL (13,312 tokens each)
+SFT_SEQS_PER_SHARD = 1  # packed rows of 8,192 per micro-batch per fsdp shard in SFT
+MAX_LEN = 13_312        # prompt + 12K response: the servers' context, the longest RL batch
+SHARED = "/shared/rstar"   # storage every node reads at the same path
 
-def get_config():
+
+def layout() -> preflight.Layout:
+  return preflight.Layout(**LAYOUT)
+
+
+def get_config(variant: str = ""):
+  if variant == "layout":
+    return cu.section(preflight.Layout, **LAYOUT)
+  if variant == "cluster":
+    return _cluster()
+  if variant:
+    raise ValueError(f"rstar2_agent_14b.py: unknown variant {variant!r}; known: layout, cluster")
+  lay = layout()
+  fsdp = lay.trainer_devices // TENSOR
   s = cu.section
   c = s(recipe.RecipeConfig, seed=0, workdir="/tmp/rstar2_14b",
         compile_cache=True)  # <workdir>/compile_cache: later stages and restarts skip compiles
-  # 64 devices: FSDP across all of them; see experiments/plan_memory.py for the fit
-  # (fsdp=8 tensor=8 fits more per device: --config.mesh.fsdp=8 --config.mesh.tensor=8).
-  c.mesh = s(recipe.sharding.MeshConfig, enabled=True, data=1, fsdp=-1, tensor=1)
+  c.mesh = s(recipe.sharding.MeshConfig, enabled=True, data=1, fsdp=fsdp, tensor=TENSOR)
   # model.hf_dir (the Qwen3-14B-Base checkpoint) is given on the command line.
   c.model = s(recipe.model_config.ModelConfig, preset=None, param_dtype="float32",
               dtype="bfloat16", remat_policy="full", attention_impl="auto")  # cuDNN on NVIDIA, else chunked
@@ -29,8 +62,13 @@ def get_config():
   c.data = s(recipe.sources.DataConfig, kind="files", integer_only=True, on_error="skip",
              train_files=(), eval_files=())
   c.tools = s(recipe.tools_lib.ToolsConfig, urls=(), local_max_children=64, timeout_s=10.0)
-  c.rollout = s(recipe.backends.RolloutConfig, backend="jax",
-                engine=dict(num_slots=64, max_len=13_312))   # 12K responses + prompt
+  # Rollouts on the layout's SGLang servers (URLs given at launch). engine.max_len is the
+  # longest trajectory (prompt + 12K response): the servers' --context-length and the
+  # trainer's longest batch. engine.num_slots serves only rollout.backend=jax (one host,
+  # checks): its KV cache sits unsharded on one device, 8 x 13,312 x 160 KiB = 17.4 GB;
+  # the 64 slots this file had (140 GB) fit no device beside the train state.
+  c.rollout = s(recipe.backends.RolloutConfig, backend="sglang", servers=(),
+                engine=dict(num_slots=8, max_len=MAX_LEN))
 
   # Non-reasoning cold start: ~222K examples, 3 epochs, lr 5e-6, 4% warm-up, cosine, batch 128.
   # Our batch is 128 packed rows of 8192 tokens, each holding several short examples (the
@@ -41,7 +79,7 @@ def get_config():
             data=dict(files=(), num_traces=0),
             optimizer=dict(learning_rate=5e-6, warmup_ratio=0.04, schedule="warmup_cosine",
                            min_lr_ratio=0.0, weight_decay=0.0, grad_clip_norm=1.0),
-            step=dict(micro_batches=16, logprob_chunk=1024))
+            step=dict(micro_batches=128 // (fsdp * SFT_SEQS_PER_SHARD), logprob_chunk=1024))
 
   c.rl = s(recipe.rl_trainer.RLConfig, prompts_per_step=512, samples_per_prompt=32,
            old_logprobs="sampler", checkpoint_every=10, length_multiple=512, fixed_rows=False,
@@ -52,7 +90,10 @@ def get_config():
                      kl_coef=0.0),
            optimizer=dict(learning_rate=1e-6, warmup_steps=20, weight_decay=0.01,
                           grad_clip_norm=1.0),
-           step=dict(micro_batches=128, logprob_chunk=1024))
+           # 512 x 16 kept = 8,192 rows of <= 13,312 tokens a step: 256 micro-batches at
+           # fsdp 8 (experiments.preflight prints the plan of each stage's shape).
+           step=dict(micro_batches=512 * 16 // (fsdp * RL_SEQS_PER_SHARD),
+                     logprob_chunk=1024))
   agent = dict(max_turns=10, max_response_tokens=8192, temperature=1.0, top_p=1.0)
   c.stage1 = s(recipe.RLStage, num_steps=300, agent=agent, hard_k=8)
   c.stage2 = s(recipe.RLStage, num_steps=85, agent=dict(agent, max_response_tokens=12_288),
@@ -64,4 +105,27 @@ def get_config():
   # 1.0 (the training temperature) is our choice, and every report prints it.
   c.eval = s(recipe.EvalStage, after_sft=False, k=16,
              agent=dict(max_turns=15, max_response_tokens=12_288, temperature=1.0, top_p=1.0))
+  return c
+
+
+def _cluster() -> ml_collections.ConfigDict:
+  """experiments.launch_cluster's fleet for LAYOUT on a running Ray cluster."""
+  lay = layout()
+  ckpt = f"{SHARED}/ckpt/qwen3-14b-sft"
+  c = ml_collections.ConfigDict()
+  c.cluster = cu.section(
+      cluster.ClusterConfig, ray_address="auto", placement="SPREAD",
+      sandbox_servers=lay.sandbox_servers, sandbox_cpus=16.0,
+      sandbox_args=("--max-children", str(lay.sandbox_children)),
+      rollout_servers=lay.rollout_servers, rollout_backend="sglang", rollout_hf_dir=ckpt,
+      rollout_cpus=4.0, rollout_gpus=float(lay.gpus_per_server),
+      rollout_args=preflight.sglang_args(lay, MAX_LEN),
+      trainer_processes=lay.trainer_nodes, trainer_cpus=32.0,
+      trainer_gpus=float(lay.gpus_per_node), trainer_module="experiments.recipe",
+      trainer_config="experiments/configs/rstar2_agent_14b.py",
+      trainer_args=(f"--config.workdir={SHARED}/runs/rstar2_14b",
+                    f"--config.model.hf_dir={ckpt}", f"--config.tokenizer.path={ckpt}",
+                    f"--config.rollout.weight_sync.dir={SHARED}/weights",
+                    "--stages=stage1,stage2,stage3,eval"),
+      log_dir=f"{SHARED}/runs/rstar2_14b/cluster_logs")
   return c
