@@ -95,9 +95,11 @@ def fake(tmp_path):
   return str(cfg), str(cfg_sweep), env
 
 
-def _sweep_cli(env, *args, check=True, timeout=120):
+def _sweep_cli(env, *args, check=True):
+  # No timeout: a loaded machine is slow, not wrong; pytest-timeout ends a hang (and
+  # subprocess.run kills the child as the exception passes).
   out = subprocess.run([sys.executable, "-m", "experiments.sweep", *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+                       capture_output=True, text=True)
   if check:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   return out
@@ -408,7 +410,7 @@ def test_a_signal_stops_the_running_points_writes_tables_and_a_rerun_resumes(sto
     pids = _running_points(root)
     os.kill(pid, signum)
     shell.stdout.close()
-    rc = shell.wait(timeout=120)   # `wait $!` gives the sweep's exit status
+    rc = shell.wait()   # `wait $!` gives the sweep's exit status
   else:
     with open(out_path, "w") as out, open(err_path, "w") as err:
       # Its own process group, as a terminal's foreground job: Ctrl-C signals the group.
@@ -419,7 +421,7 @@ def test_a_signal_stops_the_running_points_writes_tables_and_a_rerun_resumes(sto
         os.killpg(proc.pid, signum)
       else:
         os.kill(proc.pid, signum)
-      rc = proc.wait(timeout=120)
+      rc = proc.wait()
   stdout, stderr = out_path.read_text(), err_path.read_text()
   name = signal.Signals(signum).name
   assert rc == 128 + signum, stdout + stderr
@@ -445,7 +447,7 @@ def test_a_signal_stops_the_running_points_writes_tables_and_a_rerun_resumes(sto
   # The same command again, nothing held: the stopped points resume, the queued one runs.
   hold.unlink()
   out = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
+                       text=True)
   assert out.returncode == 0, out.stdout + out.stderr
   for n in stopped:
     runs = open(root / n / "runs.txt").read().splitlines()
@@ -823,7 +825,7 @@ def test_real_recipe_two_points(tmp_path):
   args = ["--config", "experiments/configs/toy.py:smoke", "--workdir", str(root),
           "--sweep", "rl.downsample.method=roc,uniform", "--config.stage1.num_steps=1",
           "--workers", "2"]
-  out = _sweep_cli(env, *args, timeout=900)
+  out = _sweep_cli(env, *args)
   rows = list(csv.DictReader(open(root / "results.csv")))
   assert [r["point"] for r in rows] == ["rl.downsample.method=roc",
                                         "rl.downsample.method=uniform"]
@@ -862,14 +864,14 @@ def test_real_recipe_point_stopped_by_sigterm_resumes(tmp_path):
     _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 2,
               "two SFT steps")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "out").read_text()
+    assert proc.wait() == 128 + signal.SIGTERM, (tmp_path / "out").read_text()
   points = {p["name"]: p for p in json.load(open(root / "sweep.json"))["points"]}
   assert points["rl.downsample.method=roc"]["status"] == "interrupted"
   assert points["rl.downsample.method=roc"]["returncode"] == 128 + signal.SIGTERM
   assert points["rl.downsample.method=uniform"]["status"] == "not started"
   log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
   step = int(log.split("interrupted: stopped by SIGTERM after step ")[1].split()[0])
-  out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+  out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   log = open(root / "rl.downsample.method=roc" / "sweep.log").read()
   assert f"resumed SFT at step {step}" in log

@@ -216,7 +216,7 @@ def test_cli_end_to_end_on_tiny_export(tmp_path):
                         "--trajectories", str(path), "--top_q", "0.25",
                         "--reflection_window", "4", "--out", str(out), "--save_entropies",
                         "--batch_size", "4", "--chunk", "64"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, env=env, capture_output=True, text=True)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   assert "forking tokens" in run.stdout and "reflection (within 4 tokens" in run.stdout
   result = json.load(open(out))
@@ -236,7 +236,7 @@ def test_cli_end_to_end_on_tiny_export(tmp_path):
     np.testing.assert_allclose(row["entropy"], e, atol=1e-4)
   bad = subprocess.run([sys.executable, "-m", "experiments.entropy", "--hf_dir", hf_dir,
                         "--trajectories", str(tmp_path / "missing.jsonl")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, env=env, capture_output=True, text=True)
   assert bad.returncode != 0 and "missing.jsonl: no such trajectories file" in bad.stderr
   # Bad flags are named before the model loads or anything is scored.
   (tmp_path / "a_file").write_text("")
@@ -245,6 +245,6 @@ def test_cli_end_to_end_on_tiny_export(tmp_path):
                      (f"--out={tmp_path / 'a_file' / 'e.json'}", "cannot write there")):
     bad = subprocess.run([sys.executable, "-m", "experiments.entropy", "--hf_dir", hf_dir,
                           "--trajectories", str(path), flag],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and says in bad.stderr and "Traceback" not in bad.stderr, \
         (flag, bad.stderr[-2000:])

@@ -327,7 +327,7 @@ def test_an_in_flight_update_waits_for_the_call_in_flight_and_reaches_the_next_t
     time.sleep(0.3)
     assert engine.version == "v0" and not pipe.published[-1].done()   # held for the call
     engine.release["turn0"].set()
-    pipe.published[-1].result(timeout=30)
+    pipe.published[-1].result()
     assert engine.version == "v1"
     engine.release["turn1"] = threading.Event()
     engine.release["turn1"].set()
@@ -337,7 +337,7 @@ def test_an_in_flight_update_waits_for_the_call_in_flight_and_reaches_the_next_t
     assert engine.calls == [("turn0", "v0", "v0"), ("turn1", "v1", "v1")]
     # Never back to an older version: step 2's submission with v0 keeps v1.
     pipe.publish("params0", "v0", 0)
-    pipe.published[-1].result(timeout=30)
+    pipe.published[-1].result()
     assert engine.version == "v1"
   finally:
     pipe.close()

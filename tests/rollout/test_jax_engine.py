@@ -305,7 +305,7 @@ def test_a_cancelled_caller_frees_its_slot_and_harms_no_other_request(model):
     await asyncio.sleep(0.3)          # a runs in the only slot; b and c wait
     a.cancel()
     b.cancel()
-    r = await asyncio.wait_for(c, timeout=60)
+    r = await c   # a hang (what this was) is ended by pytest-timeout
     return r, eng.metrics["cancelled_requests"]
 
   eng = JaxEngine(model, EngineConfig(num_slots=1, max_len=256))
@@ -314,7 +314,7 @@ def test_a_cancelled_caller_frees_its_slot_and_harms_no_other_request(model):
   assert r.output_ids == alone.output_ids and r.finish_reason == "length"
   assert cancelled == 1 and eng.metrics["requests"] == 2   # b was never started
   # A fresh event loop (the next rollout batch) is served by the same engine.
-  r2 = asyncio.run(asyncio.wait_for(eng.generate(_long(5, 6)), timeout=60))
+  r2 = asyncio.run(eng.generate(_long(5, 6)))
   assert len(r2.output_ids) == 6 and eng._thread.is_alive()
   eng.stop()
 

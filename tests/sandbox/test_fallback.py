@@ -82,7 +82,7 @@ def _start_refused(args, env=None):
   import sys
   from sandbox.launcher import _REPO_ROOT, free_port
   return subprocess.run([sys.executable, "-m", "sandbox.server", "--port", str(free_port()), *args],
-                        cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+                        cwd=_REPO_ROOT, env=env, capture_output=True, text=True)
 
 
 def test_weak_isolation_needs_the_flag():
