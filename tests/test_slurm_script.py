@@ -2,20 +2,22 @@
 
 No SLURM here: `srun`, `scontrol` and `curl` are small scripts on PATH that record what
 they were asked and run a fake trainer (or a sleeping "server"). What is real is the
-batch script's own logic: the nodes split between roles, the URL tuples handed to the
-trainer, the time-limit signal (USR1, `#SBATCH --signal=B:USR1@...`) turned into a
+batch script's own logic and the layout it asks the config for (`experiments.preflight
+--print_layout`, run for real on the 14B config): the nodes split between roles, the
+servers' flags, the URL tuples handed to the trainer, the time-limit signal (USR1, `#SBATCH --signal=B:USR1@...`) turned into a
 SIGTERM of the trainer, waiting for it to checkpoint, stopping the servers, requeueing.
 """
 import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 
 from tests import procs
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "experiments", "slurm", "rstar2_14b.sbatch")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "experiments", "slurm", "rstar2_14b.sbatch")
 
 _SRUN = r'''#!/bin/bash
 # srun [--options] CMD...: the trainer's command runs the fake trainer, any other sleeps.
@@ -31,6 +33,8 @@ if [[ " $* " == *" experiments.recipe "* ]]; then
   echo "trainer step ${opts[*]}" >> "$MARK"
   python "$FAKE_TRAINER" "$@" &
 else
+  line="server ${opts[*]} $*"
+  printf '%s\n' "${line//$'\n'/ }" >> "$MARK.servers"   # one write: servers start at once
   sleep 300 &
 fi
 child=$!
@@ -80,8 +84,9 @@ def _launch(tmp_path, curl_status=0, **env):
   mark.write_text("")
   full = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
               MARK=str(mark), FAKE_TRAINER=str(tmp_path / "trainer.py"),
-              SHARED=str(tmp_path), REPO=str(tmp_path), SLURM_JOB_ID="4242",
-              SLURM_JOB_NODELIST="node[0-7]", SERVERS_PER_NODE="2", HEALTH_POLL="0.1")
+              SHARED=str(tmp_path), REPO=REPO, SLURM_JOB_ID="4242",
+              SLURM_JOB_NODELIST="node[0-7]", HEALTH_POLL="0.1", PYTHON=sys.executable)
+  full.pop("XLA_FLAGS", None)   # the suite's fake devices are not the preflight's business
   full.update(env)      # SHARED too: requeues of one job share its run directory
   proc = subprocess.Popen(["bash", SCRIPT], env=full, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -104,11 +109,21 @@ def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   proc, mark = _launch(tmp_path)
   _wait_for(mark, "trainer started", proc)
   started = mark.read_text()
-  # 4 trainer nodes with a sandbox each, 4 rollout nodes x 2 servers, in the config.
+  # The 14B config's layout: 4 trainer nodes with a sandbox each, 4 rollout nodes x 8
+  # SGLang servers; the mesh is the config's, not the script's.
   sandboxes = "('http://node0:8321','http://node1:8321','http://node2:8321','http://node3:8321',)"
   assert f"--config.tools.urls={sandboxes}" in started, started
   assert "'http://node4:30000','http://node4:30001'," in started
-  assert "'http://node7:30001',)" in started
+  assert "'http://node7:30007',)" in started and "node8" not in started
+  assert "--config.mesh" not in started
+  trainer_opts = started.split("trainer step", 1)[1].splitlines()[0]
+  assert "--nodelist=node0,node1,node2,node3" in trainer_opts, trainer_opts
+  servers = (tmp_path / "mark.servers").read_text().splitlines()
+  sglang = [line for line in servers if "sglang.launch_server" in line]
+  assert len(sglang) == 32 and any("HIP_VISIBLE_DEVICES=7 " in line for line in sglang)
+  assert all("--tp-size 1 --dtype bfloat16 --mem-fraction-static 0.85 --context-length 13312"
+             in line for line in sglang), sglang[0]
+  assert sum("--max-children 64" in line for line in servers) == 4
   assert f"--config.workdir={tmp_path}/runs/4242" in started
   assert f"--config.rollout.weight_sync.dir={tmp_path}/weights/4242" in started
   proc.send_signal(signal.SIGUSR1)               # SLURM, 30 minutes before the limit
@@ -120,7 +135,7 @@ def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   assert proc.returncode == 140, out              # the trainer's own status
   assert "stopping the trainer" in out and "trainer exited 140" in out
   pids = [int(p) for p in (tmp_path / "mark.pids").read_text().split()]
-  assert len(pids) == 4 + 8 + 1
+  assert len(pids) == 4 + 32 + 1
   assert not procs.left_running(pids, wait_s=10), "servers left running"
 
 
@@ -217,3 +232,14 @@ def test_failures_far_apart_do_not_add_up_and_a_config_error_is_not_requeued(tmp
   out, _ = proc.communicate(timeout=30)
   assert proc.returncode == 2 and "requeue" not in mark.read_text(), out
   assert "exit 2 (a config or usage error): not requeued" in out, out
+
+
+def test_a_layout_the_preflight_refuses_starts_nothing(tmp_path):
+  """The layout comes from the config through `experiments.preflight --print_layout`; one
+  it refuses (here the in-process rollout backend, which a multi-process trainer cannot
+  use) ends the job with exit 2 before any server starts, not requeued."""
+  proc, mark = _launch(tmp_path, EXTRA_ARGS="--config.rollout.backend=jax")
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 2, out
+  assert "rollout.backend: 'jax'" in out and "not started, not requeued" in out, out
+  assert mark.read_text() == "" and not (tmp_path / "mark.pids").exists()
