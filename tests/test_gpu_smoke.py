@@ -39,7 +39,7 @@ def test_gpu_smoke_tiny_on_a_two_by_two_cpu_mesh(tmp_path):
   out = tmp_path / "smoke.json"
   run = subprocess.run([sys.executable, "-m", "experiments.gpu_smoke", "--tiny", "--steps=2",
                         "--mesh=data=2,fsdp=2", f"--out={out}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   assert "4 device(s):" in run.stdout and "MFU" in run.stdout
   r = json.load(open(out))
@@ -54,6 +54,5 @@ def test_gpu_smoke_tiny_on_a_two_by_two_cpu_mesh(tmp_path):
   (peak_name, mfu), = r["mfu"].items()
   assert mfu == r["achieved_gflops"] / r["peaks_gflops"][peak_name]
   bad = subprocess.run([sys.executable, "-m", "experiments.gpu_smoke", "--tiny", "--steps=1",
-                        "--mesh=data=3"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
+                        "--mesh=data=3"], cwd=REPO, env=env, capture_output=True, text=True)
   assert bad.returncode != 0

@@ -195,7 +195,7 @@ def test_03_perf_from_the_benchmarks_json(tmp_path):
                   f"--out={out['rollout']}"],
   }
   def run(cmd):
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
   with concurrent.futures.ThreadPoolExecutor(3) as pool:
     done = dict(zip(commands, pool.map(run, commands.values())))
   for k, r in done.items():

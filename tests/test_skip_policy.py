@@ -44,7 +44,7 @@ def _session(tmp_path, allow: str, *args: str, ci: str | None = "true"):
   return subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "tests.skip_policy", "-p", "no:cacheprovider",
        "--skip-allowlist", str(tmp_path / "allow.txt"), *args, "test_inner.py"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+      cwd=tmp_path, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["serial", "xdist-n2"])
