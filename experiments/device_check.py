@@ -924,7 +924,8 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
       "name": toy_task.TOY_TOOL_NAME, "arguments": {"code": pr.code}}]}))
            for u, pr in zip(uids, problems)}
   calls_per_traj = 2
-  scripted = ToolCallingEngine(PlainThinking(EnginePool([engine]), tok), calls,
+  thinking = PlainThinking(EnginePool([engine]), tok)
+  scripted = ToolCallingEngine(thinking, calls,
                                calls_per_traj=calls_per_traj,
                                think_tokens=sz["think_tokens"], vocab_size=small.vocab_size)
   weak = shutil.which("bwrap") is None
@@ -958,7 +959,7 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   out["agent"] = {"trajectories": len(trajs), "tool_calls": n_calls, "tool_errors": n_err,
                   "tool_statuses": dict(statuses), "scripted_calls": len(scripted),
                   "scripted_failed": len(failed),
-                  "think_tokens_replaced": scripted.engine.replaced,
+                  "think_tokens_replaced": thinking.replaced,
                   # what the sandbox said for the first few failed scripted calls
                   "scripted_failures": [{k: str(v)[:400] for k, v in r.items()}
                                         for _, r in failed[:4]],
