@@ -1,8 +1,13 @@
 r"""python -m experiments.plan_memory --config=experiments/configs/plan_memory.py
 
-Ahead-of-time memory plan of the Qwen3-14B GRPO train step on a 64-device mesh. Every
-case of the Cartesian product of the list fields below is compiled, one at a time (3-10 s
-each on a 2-core machine, measured; the default 4 cases take ~35 s), e.g.
+Ahead-of-time memory plan of the Qwen3-14B GRPO train step on fake-device meshes: by
+default the 14B layout's trainer mesh (fsdp 8 x tensor 4 on 32 devices,
+experiments/configs/rstar2_agent_14b.py) and fsdp 8 x tensor 8 (all 64 devices training,
+as a colocated layout would). Every case of the Cartesian product of the list fields
+below is compiled, one at a time (3-10 s each on a 2-core machine, measured; the default
+4 cases take ~35 s). For the 14B config's own shapes per stage (micro-batches, KL
+reference, the batch length capped at rollout.engine.max_len) run
+`python -m experiments.preflight --config experiments/configs/rstar2_agent_14b.py`. E.g.
 
   python -m experiments.plan_memory --config=experiments/configs/plan_memory.py \
     --config.meshes="fsdp=8,tensor=8" --config.response_lens=12288 \
@@ -29,7 +34,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.preset = "qwen3-14b"
-  c.meshes = "fsdp=64;fsdp=8,tensor=8"
+  c.meshes = "fsdp=8,tensor=4;fsdp=8,tensor=8"
   c.prompt_len = 1024
   c.response_lens = "8192,12288"
   c.micro_batch = "1"

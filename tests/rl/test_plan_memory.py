@@ -106,7 +106,7 @@ def test_bad_inputs_get_clear_errors():
 
 
 def test_no_involuntary_rematerialisation_on_a_data_fsdp_tensor_mesh():
-  """Issue 19 item 5: on data x fsdp x tensor meshes GSPMD replicated the embedding
+  """On data x fsdp x tensor meshes GSPMD replicated the embedding
   lookup's output ("involuntary full rematerialization", 2 warnings on this case before
   the lookup read vocab shards). XLA logs it from C++, so the plan runs as a process."""
   import os
