@@ -630,8 +630,9 @@ def main(argv: Sequence[str]) -> None:
     path = cu._config_path_from_argv(sys.argv, "config").split(":")[0]
     try:
       layout = load_layout(f"{path}:layout")
-    except TypeError:
-      raise cu.ConfigError(f"--config {path} has no ':layout' variant; give --layout") from None
+    except (TypeError, ValueError) as e:   # ConfigError too: no variants, a bad field
+      raise cu.ConfigError(f"the layout of --config {path} (its ':layout' variant): {e}; "
+                           "give --layout=<file>:<variant> if it is elsewhere") from None
   try:
     sections = _load_sections(config)
     model_cfg = model_config_of(config, FLAGS.preset)
