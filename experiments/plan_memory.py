@@ -8,6 +8,10 @@ mesh of fake CPU devices, from `jax.ShapeDtypeStruct` inputs that carry their
 shardings, and prints XLA's memory analysis of the partitioned (per-device) program next
 to the HBM of an MI300X (192 GB), an H100 (80 GB) and an H200 (141 GB).
 
+A run's own shapes (each stage's batch length and micro-batches, its KL reference) and its
+rollout, weight-sync and checkpoint figures: `python -m experiments.preflight --config
+<the run's config>`, which plans through `plan()` here.
+
 Fake devices. XLA_FLAGS must be set before jax is imported, so the top of this file adds
 `--xla_force_host_platform_device_count=64` (and JAX_PLATFORMS=cpu) unless the
 environment already names a device count; for a bigger mesh run e.g.

@@ -430,8 +430,8 @@ def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[Problem], di
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
   else:
     fixed = math.prod(v for v in sizes.values() if v != -1)
-    if -1 in sizes.values() and n % fixed == 0:
-      sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
+    if -1 in sizes.values():   # the axis that takes the rest (1 if nothing is left)
+      sizes = {k: (max(1, n // fixed) if v == -1 else v) for k, v in sizes.items()}
     if math.prod(sizes.values()) != n:
       problems.append(Problem("mesh.fsdp", f"mesh {sizes} is {math.prod(sizes.values())} "
                               f"devices but the layout trains on {n} "
@@ -645,7 +645,9 @@ def main(argv: Sequence[str]) -> None:
     print(shell_layout(layout, sections.rollout.engine.max_len))
     return
   plans = []
-  if FLAGS.plan:
+  if FLAGS.plan and any(p.field.startswith("mesh.") for p in problems):
+    print("trainer plan skipped: the mesh does not match the layout (below)")
+  elif FLAGS.plan:
     import jax
     need = math.prod(checks["sizes"].values())
     if len(jax.devices()) < need:
