@@ -318,3 +318,26 @@ def test_padded_batch_has_padding_in_every_row():
   assert (mask.sum(1) < 64).all() and (mask.sum(1) > 0).all()
   with pytest.raises(ValueError, match="power of two"):
     dc.padded_batch(512, 2, 96)
+
+
+def test_the_committed_h100_run_judged_by_the_checks():
+  """experiments/results/device/2026-11-27_h100.json, judged again: its cuDNN step passes
+  the attention check, while the checks that its old forms could not fail now fail on
+  it (no CPU-host plan; pass@1 0.0 with tool error rate 1.0)."""
+  with open(os.path.join(REPO, "experiments/results/device/2026-11-27_h100.json")) as f:
+    report = json.load(f)
+  s = report["sections"]
+  env = s["env"]
+  assert dc.check_backend(env["backend"], [d["platform"] for d in env["devices"]], True)[0]
+  runs = {r["attention_impl"]: r for r in s["train_step"]["runs"] if r["seq"] == 8192}
+  speed = runs["blockwise"]["median_s"] / runs["dot_product"]["median_s"]
+  assert dc.check_dot_product_attention(runs["dot_product"]["hlo_custom_calls"], speed)[0]
+  assert not dc.check_dot_product_attention(runs["chunked"]["hlo_custom_calls"], speed)[0]
+  memory = s["memory"]
+  met, detail = dc.check_memory_vs_plan(memory["measured_peak_bytes"],
+                                        memory["plans"]["cpu_host"].get("peak_bytes"),
+                                        memory["plans"]["cpu_host"].get("error", ""))
+  assert met is False and "xla_cpu_use_fusion_emitters" in detail
+  rows = dc.check_recipe_learned(s["recipe"]["eval_final"], None)
+  assert rows[0][3] is False and s["recipe"]["eval_final"]["tool_error_rate"] == 1.0
+  assert dc.check_bf16_used(s["numerics"]["logits_rel_l2"])[0] is True

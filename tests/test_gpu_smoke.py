@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +54,14 @@ def test_gpu_smoke_tiny_on_a_two_by_two_cpu_mesh(tmp_path):
   assert r["achieved_gflops"] == r["flops"] / r["median_s"] / 1e9
   (peak_name, mfu), = r["mfu"].items()
   assert mfu == r["achieved_gflops"] / r["peaks_gflops"][peak_name]
+  # The causal half of the attention FLOPs (MaxText's convention), labelled beside it.
+  causal = per_token - 6 * layers * q * seq
+  assert r["flops_causal_attention"] == causal * 4 * seq
+  both = r["mfu_both"][peak_name]
+  assert both["full_attention"] == pytest.approx(mfu)
+  assert both["causal_attention"] == pytest.approx(
+      causal * 4 * seq / r["median_s"] / 1e9 / r["peaks_gflops"][peak_name])
+  assert "(attention FLOPs in full)" in run.stdout and "(causal half)" in run.stdout
   bad = subprocess.run([sys.executable, "-m", "experiments.gpu_smoke", "--tiny", "--steps=1",
                         "--mesh=data=3"], cwd=REPO, env=env, capture_output=True, text=True)
   assert bad.returncode != 0
