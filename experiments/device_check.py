@@ -26,7 +26,8 @@ a fresh process also gives each section a clean peak-memory counter):
               shows as `__cudnn$fmha...`).
   parts       in one process, on rows with padding: the same step with L and 2L layers
               (per layer: the difference / L), the head with the log-probs alone and the
-              optimizer update alone.
+              optimizer update alone; and packed rows (the segment path): sequences
+              packed into one row against each alone.
   memory      one step in a fresh process: the device's peak bytes in use against
               `experiments.plan_memory`'s ahead-of-time plan of the same step made on
               the CPU host (the plan the 14B memory figures come from); the plan
@@ -146,6 +147,11 @@ TARGETS: dict[str, float] = {
     # hf_io: logits of the export read by transformers (torch, fp32, CPU) against ours
     # (fp32, highest precision) on the same tokens, relative L2.
     "hf_logits_rel_l2_max": 1e-4,
+    # parts: packed rows (the segment path). Hidden states of sequences packed into one
+    # row (segments 1..3, positions restarting, padding) against each sequence alone in
+    # its own row, relative L2: bf16 compute in both, so a few bf16 roundings apart (the
+    # logits' tolerance); segments that see each other differ by O(1).
+    "segment_isolation_rel_l2_max": 2e-2,
     # recipe (toy smoke, evaluated on 64 problems x 2 samples): the final pass@1 must
     # show that the run learned. An untrained or broken model answers none; after the
     # smoke SFT ~5% of direct answers are right (experiments/configs/toy.py), and this
@@ -276,6 +282,12 @@ def check_recipe_learned(eval_final: dict[str, Any] | None, rl_done: dict[str, A
     out.append(("recipe RL stage mean reward", r, "> 0 with a learning signal", met,
                 f"no_learning_signal={rl_done.get('no_learning_signal')}"))
   return out
+
+
+def check_segment_isolation(rel_l2: float) -> tuple[bool, str]:
+  """Packed sequences do not see each other (TARGETS["segment_isolation_rel_l2_max"])."""
+  ok = rel_l2 <= TARGETS["segment_isolation_rel_l2_max"]
+  return ok, "" if ok else "packed sequences attend across their segments"
 
 
 def check_at_least(value: float | None, key: str) -> bool | None:
@@ -670,6 +682,54 @@ def padded_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict[st
   return batch
 
 
+def segment_isolation_rel_l2(cfg, seq: int, *, seed: int = 0,
+                             merge_segments: bool = False) -> float:
+  """Relative L2 distance between the hidden states of three random sequences packed
+  into one row of `seq` (segment ids 1, 2, 3, positions restarting at 0, the last
+  eighth padding: the segment path of attention, as SFT packs rows) and the same
+  sequences each alone in a row of its own (segment 1, then padding).
+  merge_segments: test hook, the packed row as one segment (a planted fault)."""
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from rstar_jax.model import qwen3
+  model = qwen3.create_model(cfg, seed=seed)
+  graphdef, state = nnx.split(model)
+  del model
+
+  @jax.jit
+  def hidden_of(state, tokens, positions, segments):
+    h, _ = nnx.merge(graphdef, state)(tokens, positions, segment_ids=segments)
+    return h.astype(jnp.float32)
+
+  rng = np.random.RandomState(seed)
+  lens = [seq // 2, seq // 4, seq // 8]
+  tokens = np.zeros((1, seq), np.int32)
+  positions = np.zeros((1, seq), np.int32)
+  segments = np.zeros((1, seq), np.int32)
+  alone = np.zeros((3, seq), np.int32)
+  alone_pos = np.tile(np.arange(seq, dtype=np.int32), (3, 1))
+  alone_seg = np.zeros((3, seq), np.int32)
+  start = 0
+  spans = []
+  for i, n in enumerate(lens):
+    ids = rng.randint(0, cfg.vocab_size, n)
+    tokens[0, start:start + n] = ids
+    positions[0, start:start + n] = np.arange(n)
+    segments[0, start:start + n] = 1 if merge_segments else i + 1
+    alone[i, :n] = ids
+    alone_seg[i, :n] = 1
+    spans.append((start, n))
+    start += n
+  packed = np.asarray(hidden_of(state, tokens, positions, segments))
+  single = np.asarray(hidden_of(state, alone, alone_pos, alone_seg))
+  a = np.concatenate([packed[0, s:s + n] for s, n in spans]).astype(np.float64)
+  b = np.concatenate([single[i, :n] for i, (_, n) in enumerate(spans)]).astype(np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
   """What a train step's parts cost, measured in one process: the step of L and of 2L
   layers on the same padded batch (per layer: the difference / L), the output head with
@@ -752,7 +812,14 @@ def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
   out["optimizer_s"] = roofline._median_time(run_update, FLAGS.steps)
   del holder, grads, params
   jax.clear_caches()
+  gc.collect()
+  # Packed rows: the segment path of the 14B config's attention on this device.
+  seg_cfg = slice_config(attention_impl=own, num_hidden_layers=layers, remat_policy="none")
+  out["segment_isolation_rel_l2"] = segment_isolation_rel_l2(seg_cfg, seq)
   out["checks"] = [_check(
+      f"packed rows, {own}: hidden states of 3 packed sequences vs each alone, rel. L2",
+      out["segment_isolation_rel_l2"], f"<= {TARGETS['segment_isolation_rel_l2_max']:g}",
+      *check_segment_isolation(out["segment_isolation_rel_l2"])), _check(
       "per-layer step cost, (2L step - L step) / L", per_layer, "> 0",
       (per_layer > 0) if _accelerator() else None,
       f"L = {layers}; head + log-probs {out['head_logprobs_s']:.4g} s, optimizer "

@@ -25,6 +25,10 @@ def _env(tmp_path):
               TMPDIR=str(tmp_path))
 
 
+def by_name_of(report):
+  return {c["name"]: c for c in report["checks"]}
+
+
 def _run(tmp_path, *args):
   out = tmp_path / "out"
   run = subprocess.run([sys.executable, "-m", "experiments.device_check", "--tiny",
@@ -109,6 +113,8 @@ def test_report_schema(full):
   parts = report["sections"]["parts"]
   assert sorted(parts["steps"], key=int) == ["2", "4"] and parts["pad_share"] > 0.2
   assert parts["head_logprobs_s"] > 0 and parts["optimizer_s"] > 0
+  assert by_name_of(report)["packed rows, chunked: hidden states of 3 packed sequences vs "
+                            "each alone, rel. L2"]["met"] is True
   assert parts["per_layer_s"] == pytest.approx(
       (parts["steps"]["4"]["median_s"] - parts["steps"]["2"]["median_s"]) / 2)
   memory = report["sections"]["memory"]
@@ -341,3 +347,16 @@ def test_the_committed_h100_run_judged_by_the_checks():
   rows = dc.check_recipe_learned(s["recipe"]["eval_final"], None)
   assert rows[0][3] is False and s["recipe"]["eval_final"]["tool_error_rate"] == 1.0
   assert dc.check_bf16_used(s["numerics"]["logits_rel_l2"])[0] is True
+
+
+def test_segment_check_fails_when_packed_sequences_see_each_other():
+  """Three sequences packed into one row against each alone: equal hidden states on this
+  CPU; the same row as one segment (planted: the sequences attend across) fails."""
+  from rstar_jax.model import config as model_config
+  cfg = model_config.get_preset("tiny", param_dtype="float32", dtype="bfloat16",
+                                attention_impl="chunked", attention_chunk=16,
+                                remat_policy="none")
+  assert dc.check_segment_isolation(dc.segment_isolation_rel_l2(cfg, 64))[0] is True
+  met, detail = dc.check_segment_isolation(
+      dc.segment_isolation_rel_l2(cfg, 64, merge_segments=True))
+  assert met is False and "across" in detail
