@@ -28,6 +28,31 @@ from tests import skip_policy  # noqa: E402
 STALL_PROCS = pytest.StashKey[list]()
 
 
+def pytest_sessionstart(session):
+  """Under RSTAR_TEST_XLA_FLAGS the suite must in fact round otherwise than plain: a flag
+  this jax ignores, or one that changes nothing on this host, would pass for a check of
+  another CPU kind's rounding without being one."""
+  flags = os.environ.get("RSTAR_TEST_XLA_FLAGS", "").strip()
+  if not flags or os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def probe(xla_flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-m", "tests.rounding_probe"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+      pytest.exit(f"tests.rounding_probe failed under XLA_FLAGS={xla_flags!r}:\n"
+                  f"{out.stderr[-2000:]}", returncode=4)
+    return out.stdout.strip()
+  if probe("") == probe(flags):
+    pytest.exit(f"RSTAR_TEST_XLA_FLAGS={flags!r} does not change this host's rounding "
+                "(tests.rounding_probe gives the same bits): pick another flag "
+                "(docs/testing.md)", returncode=4)
+
+
 def pytest_collection_finish(session):
   if os.environ.get("PYTEST_XDIST_WORKER"):
     return   # a worker does not know whether it will run the test: the test starts them

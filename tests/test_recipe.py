@@ -130,8 +130,8 @@ def test_resolved_config_is_written_and_a_changed_one_refused(recipe_dir):
 
 def test_launch_settings_are_not_a_config_change(tmp_path):
   """Process 1 of a multi-process run reads the config.json process 0 has just written
-  (process_id 0): that is the same run, not a changed config. (Issue 16's two-process
-  test hung when process 1 refused it and left process 0 waiting at the barrier.)"""
+  (process_id 0): that is the same run, not a changed config. (The two-process test
+  hung when process 1 refused it and left process 0 waiting at the barrier.)"""
   import dataclasses
   from experiments.configs import toy
   from rstar_jax import config_utils
@@ -267,9 +267,10 @@ def straight_run(recipe_dir, tmp_path_factory):
 def straight_rl(straight_run):
   """The uninterrupted run's metrics rows, one per step."""
   rows = _metrics(os.path.join(straight_run, "stage1", "metrics_rl.jsonl"))
-  # The smoke run learns (issue 37): every step has rewards that differ within a group,
-  # so the comparisons below see real gradients and Adam moments, not zeros.
-  assert all(r["update/zero_advantage"] == 0.0 and r["train/grad_norm"] > 0 for r in rows), rows
+  # The smoke run learns: some step has rewards that differ within a group, so the
+  # comparisons below see real gradients and Adam moments, not zeros. Which steps do is
+  # the sampled trajectories' affair, and those differ between CPU kinds' rounding.
+  assert any(r["update/zero_advantage"] == 0.0 and r["train/grad_norm"] > 0 for r in rows), rows
   return rows
 
 
@@ -346,7 +347,7 @@ def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight
 # had just written (process_id 0 -> 1 read as a changed config) and leaving process 0
 # at the tokenizer barrier; see test_launch_settings_are_not_a_config_change.
 def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, tmp_path):
-  """Multi-process JAX (issue 16): stage 1 as two trainer processes of one job (one CPU
+  """Multi-process JAX: stage 1 as two trainer processes of one job (one CPU
   device each, the params sharded fsdp=2 over both, gloo collectives). Process 0
   generates on the rollout server and hands every step's batch to process 1; the
   metrics equal the single-process in-process run's, and only process 0 writes them."""
@@ -392,7 +393,7 @@ def test_rl_stage_as_two_trainer_processes_matches_one(recipe_dir, straight_rl, 
 
 def test_rl_stage_on_a_ray_fleet_survives_a_killed_sandbox_server(recipe_dir, straight_rl,
                                                                   tmp_path):
-  """Issue 16: a real local Ray cluster (2 CPUs) launches 2 sandbox servers, 1 rollout
+  """A real local Ray cluster (2 CPUs) launches 2 sandbox servers, 1 rollout
   server and the trainer as actors; one sandbox server is SIGKILLed after the first
   step. Its actor restarts it on the same URL, the calls it held run again elsewhere,
   and the stage's metrics equal the in-process run's: no call lost."""
@@ -468,7 +469,13 @@ def _assert_same_metrics(a, b):
   """Across topologies (servers, two trainer processes with sharded parameters): the same
   steps up to float rounding of the trainer's reductions, which another sharding orders
   differently. Runs on ONE topology (a resume) must match bit for bit instead: see
-  `_assert_identical_runs`."""
+  `_assert_identical_runs`.
+
+  rel 1e-5 (~80 float32 ulps): a reduction over the whole model summed in another order
+  differs by a few ulps per level of its tree; `train/grad_norm` came out 1.1e-6 apart
+  (9 ulps) under another CPU rounding (docs/testing.md), where 1e-6 was one host's
+  margin. A step that differed in substance (one sampled token, one trajectory, one
+  missed update) moves these metrics by orders of magnitude more."""
   assert [r["step"] for r in b] == [1, 2, 3]
   bad = []
   for ra, rb in zip(a, b):
@@ -478,7 +485,7 @@ def _assert_same_metrics(a, b):
       if isinstance(v, float):
         # The sampler-vs-trainer log-prob gap is itself rounding-sized (~1e-6): a few
         # ulps of log-probs of -10..-20, not a relative quantity.
-        tol = dict(abs=1e-5) if "logp_diff" in k else dict(rel=1e-6, abs=1e-7)
+        tol = dict(abs=1e-5) if "logp_diff" in k else dict(rel=1e-5, abs=1e-7)
         if rb[k] != pytest.approx(v, **tol):
           bad.append((ra["step"], k, v, rb[k]))
       elif rb[k] != v:
@@ -589,7 +596,7 @@ def test_kl_run_killed_and_resumed_matches_uninterrupted(recipe_dir, straight_kl
 
 def test_a_stage_without_learning_signal_says_so(tmp_path):
   """A random policy solves nothing: reward 0 in every group, zero advantage at every
-  step. The stage warns once and records it in DONE.json (issue 37)."""
+  step. The stage warns once and records it in DONE.json."""
   out = _run(tmp_path, "--config.stage1.num_steps=2", "--stages=stage1",
              "--config.allow_random_init=True", "--config.rl.prompts_per_step=2",
              "--config.rl.samples_per_prompt=4", "--config.rl.downsample.group_size=2",
@@ -649,20 +656,25 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
 HARD_EVAL_ARGS = ("--stages=stage3,eval", "--config.stage3.num_steps=1",
                   "--config.stage3.hard_only=True", "--config.stage3.hard_k=2",
                   "--config.stage3.hard_pool=16", "--config.stage3.agent.max_response_tokens=48",
-                  "--config.rl.prompts_per_step=2", "--config.eval.k=8",
+                  "--config.rl.prompts_per_step=2", "--config.eval.k=16",
                   "--config.rollout.engine.num_slots=4")
 
 
-def _signal_once_journaled(workdir, journal, sig, lines=3):
+def _signal_once_journaled(workdir, journal, sig, lines=2):
   """Runs the stage-3-and-eval recipe; sends `sig` once `journal` holds `lines` lines
   (its header and finished trajectories). Returns (return code, output, journaled
-  trajectories after the stop)."""
+  trajectories after the stop).
+
+  The signal must land while work remains, whatever the trajectories look like: a
+  policy that writes short, broken answers (as the smoke run's does under another CPU
+  rounding) evaluated 32 trajectories in 0.1 s, before a 50 ms poll saw the third line.
+  So the first finished trajectory triggers it, polled every 5 ms, and there are 64."""
   proc = _run(workdir, *HARD_EVAL_ARGS, wait=False)
   while proc.poll() is None:
     if os.path.exists(journal) and len(open(journal).read().splitlines()) >= lines:
       proc.send_signal(sig)
       break
-    time.sleep(0.05)
+    time.sleep(0.005)
   out = proc.communicate(timeout=500)[0]
   kept = len(_metrics(journal)) - 1 if os.path.exists(journal) else None
   return proc.returncode, out, kept
@@ -689,9 +701,9 @@ def test_a_signal_stops_the_filter_and_the_evaluation_and_reruns_resume_to_the_s
   assert code == 128 + signal.SIGINT, out[-3000:]
   assert f"{kept} of 32 trajectories from" in out   # the filter resumed from its journal
   assert "trajectories of final" in out and os.path.exists(os.path.join(d, "stage3", "DONE.json"))
-  assert 0 < kept_eval < 32 and not os.path.exists(os.path.join(d, "eval_final.json"))
+  assert 0 < kept_eval < 64 and not os.path.exists(os.path.join(d, "eval_final.json"))
   out = _run(d, *HARD_EVAL_ARGS)
-  assert f"{kept_eval} of 32 trajectories from" in out and "stage3: already done" in out
+  assert f"{kept_eval} of 64 trajectories from" in out and "stage3: already done" in out
   assert not os.path.exists(journal)
   assert json.load(open(hard)) == json.load(open(os.path.join(whole, "stage3", "hard_subset.json")))
   assert json.load(open(hard))["uids"]   # a subset to train on: the step below ran on it

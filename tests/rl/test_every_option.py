@@ -1,4 +1,4 @@
-"""Every documented value of every enumerated config field runs (issue 37).
+"""Every documented value of every enumerated config field runs.
 
 A value that passes config validation must also run: `rl.loss.kl_coef=0.5` validated,
 then died at RL step 1 for want of a reference policy. Each case below builds the RL
