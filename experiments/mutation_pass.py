@@ -24,7 +24,7 @@ copy comes first, since a command that fails unmutated makes its kills meaningle
 CI (`.ci/run`) runs a rotating few after the test suite: N non-equivalent mutants picked
 by sha256(commit hash + id), no baseline, exit 1 if any is not killed:
 
-  python -m experiments.mutation_pass --rotate 4
+  python -m experiments.mutation_pass --rotate 8
 
 Every mutant's snippet must occur exactly once in the current code
 (tests/test_mutation_pass.py): code that moves fails CI until its mutant is rewritten.
@@ -462,8 +462,9 @@ def main(argv=None) -> int:
           f"in {total:.0f} s (commit {commit[:9]})")
     print("\n| id | file | mutation | result | caught by |\n|---|---|---|---|---|")
     for r in rows:
-      print(f"| {r['id']} | {r['file'].removeprefix('rstar_jax/')} | {r['what']} | "
-            f"{r['status']} | {_caught_by(r)} |")
+      cells = (r["id"], r["file"].removeprefix("rstar_jax/"), r["what"], r["status"],
+               _caught_by(r))
+      print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
   if bad:
     print(f"NOT KILLED: {bad} (survived or error; see docs/testing.md, Mutation pass)")
   if args.out:
