@@ -126,9 +126,9 @@ def _attend_one_query(q, k, v, mask):
 def resolve_attention_impl(impl: str, dtype, *, cached: bool = False) -> str:
   """attention_impl "auto": in training (no KV cache), cuDNN's fused kernel
   ("dot_product") where it exists (an NVIDIA GPU in bf16 / fp16), else "chunked" (CPU,
-  ROCm, fp32). On one H100 the fused kernel ran a Qwen3-14B layer's training step 3.4x
-  faster than "chunked" at 8192 tokens (experiments/results/device/
-  2026-11-27_h100_4layers.json); the two compute the same function. Over a KV cache
+  ROCm, fp32). On one H100 the fused kernel ran a Qwen3-14B layer's training step ~3.4x
+  faster than "chunked" at 8192 tokens (derived from two runs, experiments/results/device/
+  2026-11-27_h100.json and 2026-11-27_h100_4layers.json); the two compute the same function. Over a KV cache
   (prefill and decode) "auto" is "chunked": the path the device check measured for
   the engine; cuDNN over a cache has not run on a GPU yet. Any other value is
   returned as it is."""
