@@ -19,7 +19,7 @@ for _f in (_rounding, _flag):
 import pytest  # noqa: E402
 
 # Skips against tests/skip_allowlist.txt (fails the session under CI=true): see the module.
-from tests.skip_policy import (pytest_addoption, pytest_collectreport,  # noqa: E402,F401
+from tests.skip_policy import (pytest_collectreport,  # noqa: E402,F401
                                pytest_configure, pytest_runtest_logreport,
                                pytest_terminal_summary)
 from tests import skip_policy  # noqa: E402
@@ -51,6 +51,54 @@ def pytest_sessionstart(session):
     pytest.exit(f"RSTAR_TEST_XLA_FLAGS={flags!r} does not change this host's rounding "
                 "(tests.rounding_probe gives the same bits): pick another flag "
                 "(docs/testing.md)", returncode=4)
+
+
+def pytest_addoption(parser):
+  skip_policy.pytest_addoption(parser)
+  parser.addoption("--rotate-slow", action="store_true",
+                   help="run this commit's share of the [rotating] slow tests of "
+                        "tests/slow_tests.txt (on by default when CI=true)")
+
+
+# Slow tests marked [rotating] in tests/slow_tests.txt: how many run in each CI session,
+# chosen from the commit (the same commit runs the same ones; the next, others).
+ROTATING_SLOW_PER_RUN = 6
+
+
+def _slow_list() -> list[tuple[str, str]]:
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+  out = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line and not line.startswith("#"):
+        pattern, _, reason = line.partition("|")
+        out.append((pattern.strip(), reason.strip()))
+  return out
+
+
+def _commit() -> str:
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+  return out.stdout.strip() or "no-commit"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Under CI=true (or --rotate-slow), ROTATING_SLOW_PER_RUN of the [rotating] slow
+  tests lose their slow mark before `-m "not slow"` deselects, so they run."""
+  if not (os.environ.get("CI") == "true" or config.getoption("--rotate-slow")):
+    return
+  import fnmatch
+  import hashlib
+  rotating = [p for p, reason in _slow_list() if reason.startswith("[rotating]")]
+  pool = [it for it in items if it.get_closest_marker("slow") is not None
+          and any(fnmatch.fnmatchcase(it.nodeid, p) for p in rotating)]
+  commit = _commit()
+  pool.sort(key=lambda it: hashlib.sha256(f"{commit} {it.nodeid}".encode()).hexdigest())
+  for it in pool[:ROTATING_SLOW_PER_RUN]:
+    it.own_markers = [m for m in it.own_markers if m.name != "slow"]
 
 
 def pytest_collection_finish(session):

@@ -519,31 +519,57 @@ def test_rl_killed_and_resumed_matches_uninterrupted(recipe_dir, straight_run, s
   _assert_identical_runs(straight_run, d)
 
 
-# Several points of a step: right after a step is logged (the next step's rollouts are
-# starting), a moment into them, and later in the step (rollouts or the update).
-@pytest.mark.parametrize("sig,rows,delay", [(signal.SIGINT, 1, 0.0),
-                                            (signal.SIGTERM, 1, 0.7),
-                                            (signal.SIGINT, 2, 0.3)])
+def _complete_rows(path) -> int:
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return f.read().count("\n")
+
+
+def _signal_mid_run(workdir, sig, fraction: float, step_s: float):
+  """Starts stage 1 (3 steps) and sends `sig` `fraction` of a step into step 2, while
+  the process is frozen (SIGSTOP) and step 2 is seen unfinished: the signal lands
+  before the last step by construction, not by luck. `step_s`: how long step 2 took
+  in the uninterrupted run (the delay scales with the host)."""
+  proc = _run(workdir, *RL_ARGS, wait=False)
+  path = os.path.join(workdir, "stage1", "metrics_rl.jsonl")
+  while proc.poll() is None and _complete_rows(path) < 1:
+    time.sleep(0.005)
+  time.sleep(fraction * step_s)
+  proc.send_signal(signal.SIGSTOP)
+  try:
+    assert proc.poll() is None, "run ended before the signal:\n" + proc.stdout.read()[-3000:]
+    assert _complete_rows(path) == 1, "step 2 ended before the signal: it would not land " \
+                                      "before the last step"
+    proc.send_signal(sig)
+  finally:
+    proc.send_signal(signal.SIGCONT)
+  proc.wait()
+  return proc
+
+
+# Several points of step 2: right after step 1 is logged (step 2's rollouts are
+# starting), and a third and two thirds into it (rollouts or the update).
+@pytest.mark.parametrize("sig,fraction", [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.33),
+                                          (signal.SIGINT, 0.67)])
 def test_rl_interrupted_and_resumed_matches_uninterrupted(recipe_dir, straight_run, straight_rl,
-                                                          tmp_path, sig, rows, delay):
+                                                          tmp_path, sig, fraction):
   d = _copy_sft(recipe_dir[0], tmp_path / "interrupted")
-  proc = _signal_after(d, sig, rows=rows, delay=delay)
+  step_s = straight_rl[1]["time/rollout_s"] + straight_rl[1]["time/train_s"]
+  proc = _signal_mid_run(d, sig, fraction, step_s)
   out = proc.stdout.read()
   logged = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
-  finished = os.path.exists(os.path.join(d, "stage1", "DONE.json"))
-  # The signal landed after the last step: the stage finished (exit 0), or the process
-  # was already past the recipe, exiting, and the default action ended it.
-  if proc.returncode == 0 or (proc.returncode == -sig and finished):
-    assert len(logged) == 3 and finished, out[-3000:]
-  else:
-    # The step in flight was finished and saved with ITS data position, then it stopped.
-    assert proc.returncode == 128 + sig, out[-3000:]
-    assert f"interrupted: stopped by {signal.Signals(sig).name} after step {len(logged)}" in out
-    from rstar_jax import checkpoint as ckpt_lib
-    ckpt = ckpt_lib.Checkpointer(os.path.join(d, "stage1", "checkpoints"))
-    assert ckpt.latest_step() == len(logged) < 3
-    ckpt.close()
-    _run(d, *RL_ARGS)
+  # The step in flight was finished and saved with ITS data position, then it stopped
+  # (the loop may not have begun step 2 yet, e.g. while saving step 1: it stops there).
+  assert proc.returncode == 128 + sig, out[-3000:]
+  assert len(logged) in (1, 2), out[-3000:]
+  assert f"interrupted: stopped by {signal.Signals(sig).name} after step {len(logged)}" in out
+  assert not os.path.exists(os.path.join(d, "stage1", "DONE.json"))
+  from rstar_jax import checkpoint as ckpt_lib
+  ckpt = ckpt_lib.Checkpointer(os.path.join(d, "stage1", "checkpoints"))
+  assert ckpt.latest_step() == len(logged)
+  ckpt.close()
+  _run(d, *RL_ARGS)
   _assert_identical_runs(straight_run, d)
 
 
