@@ -71,7 +71,7 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
     return loss, metrics
 
   new_state, metrics = core.accumulate_and_update(tx, state, micro, micro_loss,
-                                                       losses.accumulate_metrics)
+                                                  losses.accumulate_metrics, step_cfg=step_cfg)
   metrics.update(tokens=norm.num_tokens, sequences=norm.num_seqs)
   return new_state, metrics
 

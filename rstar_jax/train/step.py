@@ -31,10 +31,17 @@ class StepConfig:
     micro_batches: gradient-accumulation steps per update (a lax.scan).
     logprob_chunk: positions whose logits exist at once (chunked log-probs).
     compute_entropy: also return the policy's token entropy (RL metrics).
+    direct_single_micro_batch: with micro_batches == 1, take the gradient directly:
+      no lax.scan and no fp32 zero accumulator (one params-sized fp32 buffer and its
+      add fewer). The same bits as the scan with fp32 params; with bf16 params too
+      (0 + g is exact in fp32 and bf16 -> fp32 -> bf16 is lossless), but the gradient
+      then stays in bf16 until the update instead of passing through an fp32 buffer.
+      False (default): the scan even for one micro-batch, as before.
   """
   micro_batches: int = 1
   logprob_chunk: int = 512
   compute_entropy: bool = True
+  direct_single_micro_batch: bool = False
 
   def __post_init__(self):
     for name in ("micro_batches", "logprob_chunk"):
@@ -112,14 +119,27 @@ def sum_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array
 
 def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
                           micro: dict[str, jax.Array], micro_loss,
-                          combine_metrics: Callable = sum_metrics
+                          combine_metrics: Callable = sum_metrics, *,
+                          step_cfg: StepConfig | None = None
                           ) -> tuple[TrainState, dict[str, jax.Array]]:
   """Sums loss, gradient and metrics of `micro_loss(params, mb)` over the leading
   micro-batch axis of `micro` (lax.scan: one micro-batch's activations live at a
   time), then applies one optimizer update. `micro_loss` must already be normalised
   by full-batch constants, so the sums are the full-batch values; `combine_metrics`
-  merges one micro-batch's metrics into the running total (sum by default)."""
+  merges one micro-batch's metrics into the running total (sum by default).
+  `step_cfg` chooses the options of `StepConfig` that act here (None: the defaults)."""
+  step_cfg = step_cfg or StepConfig()
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  first_mb = jax.tree.map(lambda x: x[0], micro)
+  m_zero = jax.tree.map(jnp.zeros_like,
+                        jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
+  if step_cfg.direct_single_micro_batch and jax.tree.leaves(micro)[0].shape[0] == 1:
+    # One micro-batch: what the scan below computes, without the scan and the fp32
+    # zeros (0 + g and 0 + loss are exact; metrics still merge into the zeros, as a
+    # max-reduced metric must).
+    (loss, metrics), grads = grad_fn(state.params, first_mb)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return _apply(tx, state, grads, combine_metrics(m_zero, metrics), loss)
 
   def body(carry, mb):
     g_acc, m_acc, l_acc = carry
@@ -130,11 +150,13 @@ def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
 
   # Accumulate in fp32 even with bf16 parameters; cast back for the update.
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-  first_mb = jax.tree.map(lambda x: x[0], micro)
-  m_zero = jax.tree.map(jnp.zeros_like,
-                        jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
   (grads, metrics, loss), _ = jax.lax.scan(body, (zeros, m_zero, jnp.zeros(())), micro)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  return _apply(tx, state, grads, metrics, loss)
+
+
+def _apply(tx, state: TrainState, grads, metrics, loss):
+  """The optimizer update from the summed gradient; the step's metrics."""
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),

@@ -36,11 +36,11 @@ def _batch(n=8, seed=0):
   return batching.build_batch(trajs, adv, length_multiple=8)
 
 
-def _run(micro, tx, mesh=None, batch=None, loss_cfg=losses.LossConfig()):
-  model = qwen3.create_model(CFG, seed=3)
+def _run(micro, tx, mesh=None, batch=None, loss_cfg=losses.LossConfig(), cfg=CFG, **step_opts):
+  model = qwen3.create_model(cfg, seed=3)
   graphdef, state, shard = ts.init_train_state(model, tx, mesh)
-  step = ts.make_train_step(graphdef, tx, loss_cfg, ts.StepConfig(micro_batches=micro,
-                                                                  logprob_chunk=8),
+  step = ts.make_train_step(graphdef, tx, loss_cfg,
+                            ts.StepConfig(micro_batches=micro, logprob_chunk=8, **step_opts),
                             mesh=mesh, state_shardings=shard, donate=False)
   new_state, metrics = step(state, batch if batch is not None else _batch())
   return state, new_state, jax.device_get(metrics)
@@ -68,6 +68,35 @@ def test_micro_batches_do_not_change_loss_or_gradient(aggregation):
   a, b = _flat(one.params), _flat(four.params)
   for k in a:
     np.testing.assert_allclose(b[k], a[k], atol=1e-6, err_msg=k)
+
+
+def _assert_same_bits(got, want):
+  assert set(got) == set(want)
+  for k in want:
+    a, b = np.asarray(want[k]), np.asarray(got[k])
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), k
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_one_micro_batch_without_the_accumulator_is_the_same_step_bit_for_bit(param_dtype):
+  """StepConfig.direct_single_micro_batch: one micro-batch's gradient taken directly (no
+  lax.scan, no fp32 zeros) is the scan's update bit for bit: 0 + g in fp32 is exact, and
+  a bf16 gradient survives bf16 -> fp32 -> bf16 unchanged. Adam, so every parameter
+  and every moment is compared; and the metrics, max-reduced ones included."""
+  cfg = CFG.replace(param_dtype=param_dtype, dtype=param_dtype)
+  tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
+  batch = _batch(seed=11)
+  _, ref, m_ref = _run(1, tx, batch=batch, cfg=cfg)
+  _, got, m_got = _run(1, tx, batch=batch, cfg=cfg, direct_single_micro_batch=True)
+  _assert_same_bits(m_got, m_ref)
+  _assert_same_bits(_flat(got.params), _flat(ref.params))
+  for a, b in zip(jax.tree.leaves(ref.opt_state), jax.tree.leaves(got.opt_state)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  # With more than one micro-batch the option changes nothing (the scan runs).
+  _, two, m_two = _run(2, tx, batch=batch, cfg=cfg)
+  _, two_opt, m_two_opt = _run(2, tx, batch=batch, cfg=cfg, direct_single_micro_batch=True)
+  _assert_same_bits(m_two_opt, m_two)
+  _assert_same_bits(_flat(two_opt.params), _flat(two.params))
 
 
 def test_loss_matches_direct_ppo_on_model_logprobs():
