@@ -118,6 +118,9 @@ def test_the_time_limit_signal_checkpoints_the_trainer_and_requeues(tmp_path):
   assert "--config.mesh" not in started
   trainer_opts = started.split("trainer step", 1)[1].splitlines()[0]
   assert "--nodelist=node0,node1,node2,node3" in trainer_opts, trainer_opts
+  # One task a trainer node: without --ntasks the job's SLURM_NTASKS (8, one a node of the
+  # allocation) won over --ntasks-per-node on a real SLURM (tests/test_rehearsal.py).
+  assert "--ntasks=4" in trainer_opts.split(), trainer_opts
   servers = (tmp_path / "mark.servers").read_text().splitlines()
   sglang = [line for line in servers if "sglang.launch_server" in line]
   assert len(sglang) == 32 and any("HIP_VISIBLE_DEVICES=7 " in line for line in sglang)
