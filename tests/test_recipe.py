@@ -743,6 +743,23 @@ def test_a_signal_stops_the_filter_and_the_evaluation_and_reruns_resume_to_the_s
           == _metrics(os.path.join(d, "eval_final_samples.jsonl")))
 
 
+def test_the_final_evaluation_can_use_the_report_s_protocol_and_says_so(recipe_dir, tmp_path):
+  """config.eval.protocol='report': the report's section 5.1 settings replace k and the
+  agent's, the run prints the protocol it used, the report JSON carries them, and an
+  engine shorter than the protocol's budget is named (its trajectories would end as
+  truncated)."""
+  d = _copy_sft(recipe_dir[0], tmp_path / "report_protocol")
+  out = _run(d, "--stages=eval", "--config.eval.protocol=report")
+  assert ("evaluation final: protocol 'report' (16 samples per problem, temperature 0.6, "
+          "30720 tokens, 30 turns)") in out, out[-3000:]
+  assert "fewer than the protocol's 30720 response tokens" in out, out[-3000:]
+  report = json.load(open(os.path.join(d, "eval_final.json")))
+  assert report["temperature"] == 0.6 and report["samples_per_problem"] == 16
+  from rstar_jax.recipe import stages as recipe
+  with pytest.raises(ValueError, match="EvalStage.protocol='paper'"):
+    recipe.EvalStage(protocol="paper")
+
+
 def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):
   from experiments.configs import toy
   from rstar_jax import config_utils

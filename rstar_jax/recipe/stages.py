@@ -29,6 +29,7 @@ from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import sources
 from rstar_jax.eval import evaluate as eval_lib
 from rstar_jax.eval import metrics as eval_metrics
+from rstar_jax.eval import suite as eval_suite
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.rl import rollouts
@@ -79,8 +80,30 @@ class RLStage:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalStage(eval_lib.EvalConfig):
-  """`config.eval`: the evaluation, and whether to run it after SFT too."""
+  """`config.eval`: the evaluation, and whether to run it after SFT too.
+
+  Attributes:
+    protocol: "config": `k` and `agent` as configured. "report": the rStar2-Agent
+      report's (arXiv 2508.20722 section 5.1: 16 samples, temperature 0.6, 30,720
+      tokens, 30 turns; `eval.suite.PROTOCOLS`), whatever `k` and `agent` say, so that
+      the recipe's table can be set beside the report's; the rollout engine must hold
+      30,720 tokens past the prompt. "greedy": temperature 0, one sample. Every
+      evaluation prints the protocol it used.
+  """
   after_sft: bool = True
+  protocol: str = "config"
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.protocol not in eval_suite.PROTOCOL_NAMES:
+      raise ValueError(f"EvalStage.protocol={self.protocol!r}; choose from "
+                       f"{eval_suite.PROTOCOL_NAMES}")
+
+  def resolved(self) -> eval_lib.EvalConfig:
+    """The settings the evaluation runs with (`protocol` applied)."""
+    if self.protocol == "config":
+      return self
+    return eval_suite.protocol(self.protocol, self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -595,7 +618,17 @@ def _model_made(ctx: Context, before: str | None = None) -> list:
 
 
 def _evaluate(ctx: Context, engines, name: str, source: str):
-  e = ctx.config.eval
+  e = ctx.config.eval.resolved()
+  print(f"evaluation {name}: protocol {ctx.config.eval.protocol!r} ({e.k} samples per "
+        f"problem, temperature {e.agent.temperature}, {e.agent.max_response_tokens} tokens, "
+        f"{e.agent.max_turns} turns)", flush=True)
+  room = getattr(engines, "max_len", 0) or 0
+  if room and room < e.agent.max_response_tokens:
+    # The agent loop ends a trajectory that fills the engine as truncated: the table
+    # would not be the protocol's. Said, not refused (a budget no answer reaches is common).
+    logging.warning("evaluation %s: the rollout engine holds %d tokens (prompt + response), "
+                    "fewer than the protocol's %d response tokens: longer trajectories end "
+                    "as truncated", name, room, e.agent.max_response_tokens)
   # An evaluation killed part-way, or stopped by a signal at a trajectory's end, resumes
   # from its journal if the model and the settings are the ones it was written with
   # (hours at 14B).
