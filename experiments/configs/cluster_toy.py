@@ -7,8 +7,8 @@ running cluster (`--config.cluster.ray_address=auto`). Run the toy recipe's SFT 
 (`python -m experiments.recipe --config experiments/configs/toy.py --stages=sft
 --config.workdir=/tmp/rstar_toy`); stage 1 then continues in that work directory.
 
-For the 64-MI300X layout see docs/guides/cluster.md: the same section with
-sandbox_servers=4, rollout_servers=32 (backend sglang, 1 GPU each), trainer_processes=4.
+The 14B run's fleet is not restated here: `experiments/configs/rstar2_agent_14b.py:cluster`
+builds it from that config's one layout (docs/guides/cluster.md).
 """
 import ml_collections
 
