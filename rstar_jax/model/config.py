@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj", "save_qkv_attn",
+                  "save_dot_except_mlp")
 ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product", "auto")
 
 

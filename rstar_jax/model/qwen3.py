@@ -318,6 +318,7 @@ class DecoderLayer(nnx.Module):
       n = mask.shape[-1]
       a = cached_attention(q, k_cache[..., :n].astype(dt), v_cache[:, :, :n].astype(dt), mask,
                            cfg.attention_impl, cfg.attention_chunk)
+    a = cn(a, "context")   # the attention output, before the output projection
     a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
     x = x + a
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
@@ -335,6 +336,14 @@ def _remat_policy(name: str):
       "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
       "qkv_proj": cp.save_only_these_names("query_proj", "key_proj", "value_proj",
                                            "out_proj", "mlp_out"),
+      # MaxText's save_dot_with_context_except_mlp: the attention half's dots and the
+      # attention output are kept, the MLP (the widest activations) is recomputed.
+      "save_qkv_attn": cp.save_only_these_names("query_proj", "key_proj", "value_proj",
+                                                "context", "out_proj"),
+      # MaxText's save_dot_except_mlp: the projections' outputs only; the attention
+      # itself and the MLP are recomputed.
+      "save_dot_except_mlp": cp.save_only_these_names("query_proj", "key_proj", "value_proj",
+                                                      "out_proj"),
   }[name]
 
 
