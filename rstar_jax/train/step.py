@@ -37,11 +37,20 @@ class StepConfig:
       (0 + g is exact in fp32 and bf16 -> fp32 -> bf16 is lossless), but the gradient
       then stays in bf16 until the update instead of passing through an fp32 buffer.
       False (default): the scan even for one micro-batch, as before.
+    cast_params_once: cast the floating parameters to the model's compute dtype once
+      per step, before the micro-batch scan, and run forward and backward on that copy
+      (the layers then cast nothing); the copy's gradient is accumulated in fp32 and
+      applied to the master weights. The same casts as each use casting its weight, so
+      the same loss and gradient bit for bit, except a weight used twice (tied
+      embeddings), whose two gradients are summed in the compute dtype before the
+      fp32 cast instead of after. Nothing changes where the params are already in the
+      compute dtype. False (default): each use casts its weight, as before.
   """
   micro_batches: int = 1
   logprob_chunk: int = 512
   compute_entropy: bool = True
   direct_single_micro_batch: bool = False
+  cast_params_once: bool = False
 
   def __post_init__(self):
     for name in ("micro_batches", "logprob_chunk"):
@@ -120,30 +129,37 @@ def sum_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array
 def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
                           micro: dict[str, jax.Array], micro_loss,
                           combine_metrics: Callable = sum_metrics, *,
-                          step_cfg: StepConfig | None = None
+                          step_cfg: StepConfig | None = None, compute_dtype=None
                           ) -> tuple[TrainState, dict[str, jax.Array]]:
   """Sums loss, gradient and metrics of `micro_loss(params, mb)` over the leading
   micro-batch axis of `micro` (lax.scan: one micro-batch's activations live at a
   time), then applies one optimizer update. `micro_loss` must already be normalised
   by full-batch constants, so the sums are the full-batch values; `combine_metrics`
   merges one micro-batch's metrics into the running total (sum by default).
-  `step_cfg` chooses the options of `StepConfig` that act here (None: the defaults)."""
+  `step_cfg` chooses the options of `StepConfig` that act here (None: the defaults);
+  `compute_dtype` is the model's, for `cast_params_once`."""
   step_cfg = step_cfg or StepConfig()
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  params = state.params
+  if step_cfg.cast_params_once and compute_dtype is not None:
+    # One copy per step; autodiff's gradient w.r.t. it is the gradient of the cast's
+    # output, which the accumulator below turns to fp32 as the cast's transpose would.
+    params = cast_floating(state.params, compute_dtype)
   first_mb = jax.tree.map(lambda x: x[0], micro)
   m_zero = jax.tree.map(jnp.zeros_like,
-                        jax.eval_shape(lambda: micro_loss(state.params, first_mb)[1]))
+                        jax.eval_shape(lambda: micro_loss(params, first_mb)[1]))
   if step_cfg.direct_single_micro_batch and jax.tree.leaves(micro)[0].shape[0] == 1:
     # One micro-batch: what the scan below computes, without the scan and the fp32
     # zeros (0 + g and 0 + loss are exact; metrics still merge into the zeros, as a
     # max-reduced metric must).
-    (loss, metrics), grads = grad_fn(state.params, first_mb)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    (loss, metrics), grads = grad_fn(params, first_mb)
+    grads = jax.tree.map(lambda g, p: g.astype(jnp.float32).astype(p.dtype), grads,
+                         state.params)
     return _apply(tx, state, grads, combine_metrics(m_zero, metrics), loss)
 
   def body(carry, mb):
     g_acc, m_acc, l_acc = carry
-    (loss, metrics), grads = grad_fn(state.params, mb)
+    (loss, metrics), grads = grad_fn(params, mb)
     g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
     m_acc = combine_metrics(m_acc, metrics)
     return (g_acc, m_acc, l_acc + loss), None
@@ -153,6 +169,13 @@ def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
   (grads, metrics, loss), _ = jax.lax.scan(body, (zeros, m_zero, jnp.zeros(())), micro)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
   return _apply(tx, state, grads, metrics, loss)
+
+
+def cast_floating(params, dtype):
+  """`params` with every floating leaf in `dtype` (a differentiable cast)."""
+  dtype = jnp.dtype(dtype)
+  return jax.tree.map(
+      lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
 def _apply(tx, state: TrainState, grads, metrics, loss):

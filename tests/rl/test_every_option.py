@@ -51,6 +51,7 @@ RL_CASES = (
     + [("optimizer.schedule", v, {"optimizer.total_steps": 10}) for v in optim.SCHEDULES]
     + [("step.compute_entropy", v, {}) for v in (True, False)]
     + [("step.direct_single_micro_batch", True, {})]   # False: every other case
+    + [("step.cast_params_once", True, {})]
     + [("pow2_rows", v, {}) for v in (True, False)]
     + [("fixed_rows", v, {}) for v in (True, False)]
     + [("reference", "<export>", {"loss.kl_coef": 0.5})]
