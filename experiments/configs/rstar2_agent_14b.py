@@ -101,9 +101,13 @@ def get_config(variant: str = ""):
   # Only problems the policy does not solve 8/8 (17.3K of 42K), optimizer reset, 15 turns.
   c.stage3 = s(recipe.RLStage, num_steps=125, hard_only=True, hard_k=8, reset_optimizer=True,
                agent=dict(agent, max_response_tokens=12_288, max_turns=15))
-  # pass@1 averaged over 16 samples. The eval temperature is not stated in the report;
-  # 1.0 (the training temperature) is our choice, and every report prints it.
-  c.eval = s(recipe.EvalStage, after_sft=False, k=16,
+  # The in-run evaluation, within the rollout servers' context (MAX_LEN): 16 samples at
+  # the training temperature and stage 3's budgets. It is not the report's protocol
+  # (section 5.1: temperature 0.6, 30,720 tokens, 30 turns), which needs servers started
+  # with a 32K context: `--config.eval.protocol=report` applies it here, and
+  # experiments/configs/eval_rstar2_agent_14b.py (its docstring gives the command) runs
+  # the report's whole table on the final export. Every evaluation prints its protocol.
+  c.eval = s(recipe.EvalStage, after_sft=False, k=16, protocol="config",
              agent=dict(max_turns=15, max_response_tokens=12_288, temperature=1.0, top_p=1.0))
   return c
 
