@@ -34,6 +34,7 @@ docs/guides/cluster.md ("Rehearsal") has what it showed.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -391,6 +392,7 @@ def rehearse(d: str, shared: str, interrupt: str = "none", timeout: float = 1500
   sft_s = sft(d, shared)
   job = submit(d, shared)
   workdir = os.path.join(shared, "runs", job)
+  out_path = os.path.join(shared, f"rstar2-14b-{job}.out")     # the script's --output
   done = {"acted": False}
 
   def act(info):
@@ -400,27 +402,39 @@ def rehearse(d: str, shared: str, interrupt: str = "none", timeout: float = 1500
       done["restored"] = True
     if done["acted"] or info.get("JobState") != "RUNNING":
       return
-    path = os.path.join(workdir, "stage1", "metrics_rl.jsonl")
-    if not (os.path.exists(path) and open(path).read().strip()):   # one step done
-      return
     if interrupt == "signal":
+      # As stage 1 starts: the signal comes within the controller's next time-limit
+      # check (every 30 s), so the trainer stops after a step of stage 1, mid-stage.
+      if "weight sync stage1-step0" not in _read(out_path):
+        return
       # SLURM's own time-limit signal: the limit moved to 30 min ahead, so the job's
       # --signal=B:USR1@1800 is due at the controller's next time-limit check.
       run_min = _minutes(info.get("RunTime", "0:0"))
       _run(d, "scontrol", "update", f"JobId={job}", f"TimeLimit={run_min + 30}")
     elif interrupt == "kill":
+      # Step 1's checkpoint complete (the script's own test of one): kill during step 2.
+      if not glob.glob(os.path.join(workdir, "stage1", "checkpoints", "*",
+                                    "commit_success.txt")):
+        return
       victim = _trainer_task(d, node=f"{NODE_PREFIX}1")
       os.kill(victim, signal.SIGKILL)
       print(f"SIGKILLed trainer task {victim} on {NODE_PREFIX}1", flush=True)
     done["acted"] = True
 
   info = wait_job(d, job, timeout, act if interrupt != "none" else None)
-  out_path = os.path.join(shared, f"rstar2-14b-{job}.out")
-  log = open(out_path).read() if os.path.exists(out_path) else ""
+  log = _read(out_path)
   return dict(job=job, state=info.get("JobState"), exit=info.get("ExitCode"),
               restarts=int(info.get("Restarts", "0")), workdir=workdir, log=log,
               sft_s=sft_s, total_s=time.monotonic() - t0,
               table=final_table(workdir) if info.get("JobState") == "COMPLETED" else None)
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return f.read()
+  except FileNotFoundError:
+    return ""
 
 
 def _minutes(runtime: str) -> int:
@@ -432,7 +446,7 @@ def _minutes(runtime: str) -> int:
   while len(parts) < 3:
     parts.insert(0, 0)
   h, m, s = parts
-  return days * 1440 + h * 60 + m + (1 if s else 0)
+  return days * 1440 + h * 60 + m     # whole minutes run: the limit is due at once
 
 
 def _trainer_task(d: str, node: str) -> int:
