@@ -6,7 +6,8 @@ engine loop
      (rows padded to a power-of-two length bucket, their count to a power of 4, so
      few shapes compile; at most `prefill_batch_tokens` padded tokens a call), and
   2. runs one jitted decode call for every active slot at once: one step, or
-     `decode_steps` steps unrolled while no request waits for a slot.
+     `decode_steps` steps (unrolled, or an on-device loop: `decode_loop`) while no
+     request waits for a slot.
 A request that finishes (stop token, max_new_tokens, cache full) frees its slot at
 once, and the next queued request takes it at the next iteration: a trajectory that
 is waiting on a tool call holds no slot and delays no one.
@@ -81,6 +82,12 @@ class EngineConfig:
   # `small` preset: 4.95 -> 4.50 ms a step at 4, 4.26 at 8); the toy recipe's short
   # agent turns did not (RL steps no faster, a second compile per bucket), hence 1.
   decode_steps: int = 1
+  # How a call's decode_steps run: unrolled (False, default: each layer's weights
+  # sliced out of the stacked arrays once for all steps; the program grows with the
+  # steps) or as a lax.fori_loop over one step's program (True: one step compiled
+  # whatever decode_steps is; tokens, log-probs and the cache stay on the device
+  # between steps, and the host is reached once a call either way). The same tokens.
+  decode_loop: bool = False
   # The engine keeps each layer's weights in a buffer of its own (a copy of the
   # stacked [L, ...] arrays, made at `update_weights`). XLA:CPU copies a layer's
   # weights out of the stacked arrays on every call (a slice feeds no GEMM in place):
@@ -231,17 +238,21 @@ def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temp
   return cache, tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "steps"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "steps", "loop"),
                    donate_argnames=("cache",))
 def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
-            attend_len=None, steps=1):
+            attend_len=None, steps=1, loop=False):
   """`steps` decode steps: step j feeds row r the token step j - 1 sampled (step 0:
   tokens[r]) at positions[r] + j and draws with index indices[r] + j, so the tokens
   equal `steps` calls of one step. Returns the cache and tokens, log-probs [B, steps].
   Unrolled, not a loop: XLA then slices each layer's weights out of the stacked
   arrays once for all steps (one copy per call instead of per step). Positions past
-  the cache end (idle rows, rows past their stop) write nowhere."""
+  the cache end (idle rows, rows past their stop) write nowhere. `loop`: the steps as a
+  lax.fori_loop instead (EngineConfig.decode_loop)."""
   model = nnx.merge(graphdef, _stacked(state))
+  if loop and steps > 1:
+    return _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
+                        attend_len, steps)
   tok, toks, logps = tokens, [], []
   for j in range(steps):
     hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
@@ -251,6 +262,27 @@ def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, to
     toks.append(tok)
     logps.append(logp)
   return cache, jnp.stack(toks, 1), jnp.stack(logps, 1)
+
+
+def _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
+                 attend_len, steps):
+  """`_decode`'s steps in a lax.fori_loop: step j's token and log-prob are written to
+  column j of on-device buffers carried with the cache."""
+  def body(j, carry):
+    cache, tok, toks, logps = carry
+    hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
+                          attend_len=attend_len)
+    logits = model.logits(hidden)[:, 0]
+    tok, logp = sampling.sample(logits, seeds, indices + j, temps, top_p, top_k)
+    tok = tok.astype(jnp.int32)
+    return (cache, tok, toks.at[:, j].set(tok),
+            logps.at[:, j].set(logp.astype(jnp.float32)))
+
+  b = tokens.shape[0]
+  init = (cache, jnp.asarray(tokens, jnp.int32), jnp.zeros((b, steps), jnp.int32),
+          jnp.zeros((b, steps), jnp.float32))
+  cache, _, toks, logps = jax.lax.fori_loop(0, steps, body, init)
+  return cache, toks, logps
 
 
 class JaxEngine:
@@ -518,7 +550,8 @@ class JaxEngine:
                          key=lambda a: a or 0):
       for steps in sorted({1, self.config.decode_steps}):
         self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
-                                     z, z, ones, ones, z, attend_len=attend, steps=steps)
+                                     z, z, ones, ones, z, attend_len=attend, steps=steps,
+                                     loop=self.config.decode_loop)
         n += 1
     jax.block_until_ready(tok)
     return n
@@ -626,7 +659,7 @@ class JaxEngine:
         # numpy in: jit moves them in its C++ path (jnp.asarray dispatched an op each,
         # ~0.4 ms of host time per step at 64 slots).
         self.graphdef, state, self.cache, toks, pos, seeds, idx, temps, top_p, top_k,
-        attend_len=attend, steps=steps)
+        attend_len=attend, steps=steps, loop=self.config.decode_loop)
     out_tok, out_logp = np.asarray(out_tok).tolist(), np.asarray(out_logp).tolist()
     self.metrics["decode_s"] += time.perf_counter() - t0
     self.metrics["decode_calls"] += 1

@@ -168,6 +168,31 @@ def test_several_decode_steps_per_call_change_nothing_but_the_calls(model):
     EngineConfig(decode_steps=0)
 
 
+def test_decode_steps_in_a_device_loop_give_the_tokens_of_single_steps(model):
+  """decode_loop: a call's decode_steps run as a lax.fori_loop (one step's program,
+  tokens kept on the device between steps, one host sync a call): the tokens and
+  finish reasons of one step a call, log-probs within 1e-5 (another program, so not
+  necessarily the same rounding), with rows stopping part-way through a call, the cache
+  end (max_len 32), length buckets and prefix-reusing second turns (max_len 96)."""
+  reqs = _requests(n=12, seed=4)
+  for case in ("cache end", "buckets, stops, resumes"):
+    outs, metrics = {}, {}
+    for steps, loop in ((1, False), (4, True)):
+      if case == "cache end":
+        eng = JaxEngine(model, EngineConfig(num_slots=4, max_len=32, decode_steps=steps,
+                                            decode_loop=loop))
+        outs[steps] = eng.generate_sync(reqs[:4])
+      else:
+        eng = JaxEngine(model, EngineConfig(num_slots=4, max_len=96, min_prefill_bucket=8,
+                                            decode_steps=steps, decode_loop=loop))
+        outs[steps] = _stop_and_resume_workload(eng)
+      metrics[steps] = eng.metrics
+    assert metrics[4]["decode_steps"] > metrics[4]["decode_calls"]   # several steps a call
+    for x, y in zip(outs[1], outs[4]):
+      assert (x.output_ids, x.finish_reason) == (y.output_ids, y.finish_reason), case
+      np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
 def test_batched_prefill_equals_one_request_per_call(model):
   """Requests admitted together are prefilled in one call (rows padded to a power of
   4, padding rows write nowhere): the same tokens and log-probs as one call each,
