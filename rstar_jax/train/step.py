@@ -40,11 +40,13 @@ class StepConfig:
     cast_params_once: cast the floating parameters to the model's compute dtype once
       per step, before the micro-batch scan, and run forward and backward on that copy
       (the layers then cast nothing); the copy's gradient is accumulated in fp32 and
-      applied to the master weights. The same casts as each use casting its weight, so
-      the same loss and gradient bit for bit, except a weight used twice (tied
-      embeddings), whose two gradients are summed in the compute dtype before the
-      fp32 cast instead of after. Nothing changes where the params are already in the
-      compute dtype. False (default): each use casts its weight, as before.
+      applied to the master weights. The same casts as each use casting its weight:
+      the same loss bit for bit, and the same gradient but for a weight whose
+      gradient XLA kept in fp32 past the per-use cast's transpose (on XLA:CPU the MLP's
+      gate and up projections, whose hand-written weight-gradient matmul absorbs it);
+      from the copy that gradient is a bf16 array, rounded once per micro-batch.
+      Nothing changes where the params are already in the compute dtype. False
+      (default): each use casts its weight, as before.
   """
   micro_batches: int = 1
   logprob_chunk: int = 512
