@@ -95,7 +95,7 @@ def _other_value(tp, current, path):
       "tool_schema": {"type": "function", "function": {
           "name": "py", "parameters": {"properties": {"code": {"type": "string"}}}}},
       "rules": {"embed": "tensor"}, "cpu_collectives": "mpi", "pause_mode": "abort",
-      "off_policy": "decoupled", "weight_updates": "between_requests",
+      "off_policy": "decoupled", "weight_updates": "between_requests", "protocol": "report",
   }
   if path[-2:] == ("weight_sync", "dtype"):
     return "float32"
