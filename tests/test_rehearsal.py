@@ -134,7 +134,7 @@ def test_the_cluster_comes_down_leaving_nothing_running(cluster, straight):
 def _host_address() -> str:
   """This host's own (non-loopback) address: the one a server must never be reached at."""
   with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-    s.connect(("192.0.2.255", 9))     # no packet is sent; the route picks the interface
+    s.connect(("198.51.100.1", 9))    # no packet is sent; the route picks the interface
     return s.getsockname()[0]
 
 
