@@ -50,11 +50,6 @@ def sequence_logprobs(graphdef, params, input_ids, target_ids, attention_mask, *
                               return_entropy=return_entropy)
 
 
-def compute_dtype(graphdef, params):
-  """The compute dtype of the model of `graphdef` (`Qwen3Config.dtype`)."""
-  return jnp.dtype(nnx.merge(graphdef, params).cfg.dtype)
-
-
 def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.LossConfig,
                step_cfg: StepConfig, temperature: float, state: TrainState,
                batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -77,7 +72,7 @@ def train_step(graphdef, tx: optax.GradientTransformation, loss_cfg: losses.Loss
 
   new_state, metrics = core.accumulate_and_update(
       tx, state, micro, micro_loss, losses.accumulate_metrics, step_cfg=step_cfg,
-      compute_dtype=(compute_dtype(graphdef, state.params) if step_cfg.cast_params_once
+      compute_dtype=(core.compute_dtype(graphdef, state.params) if step_cfg.cast_params_once
                      else None))
   metrics.update(tokens=norm.num_tokens, sequences=norm.num_seqs)
   return new_state, metrics

@@ -33,7 +33,10 @@ def sft_step(graphdef, tx, step_cfg: ts.StepConfig, state: ts.TrainState, batch)
     nll = _nll_sum(graphdef, params, mb, step_cfg.logprob_chunk) / num_tokens
     return nll, {"nll": nll}
 
-  new_state, metrics = ts.accumulate_and_update(tx, state, micro, micro_loss)
+  new_state, metrics = ts.accumulate_and_update(
+      tx, state, micro, micro_loss, step_cfg=step_cfg,
+      compute_dtype=(ts.compute_dtype(graphdef, state.params) if step_cfg.cast_params_once
+                     else None))
   return new_state, dict(metrics, tokens=num_tokens)
 
 

@@ -128,6 +128,11 @@ def sum_metrics(acc: Mapping[str, jax.Array] | None, new: Mapping[str, jax.Array
   return {k: acc[k] + v for k, v in new.items()}
 
 
+def compute_dtype(graphdef, params):
+  """The compute dtype of the model of `graphdef` (`Qwen3Config.dtype`)."""
+  return jnp.dtype(nnx.merge(graphdef, params).cfg.dtype)
+
+
 def accumulate_and_update(tx: optax.GradientTransformation, state: TrainState,
                           micro: dict[str, jax.Array], micro_loss,
                           combine_metrics: Callable = sum_metrics, *,

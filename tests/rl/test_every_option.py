@@ -67,7 +67,8 @@ MODEL_CASES = ([("attention_impl", v) for v in model_config.ATTENTION_IMPLS]
                + [("remat_policy", v) for v in model_config.REMAT_POLICIES]
                + [(f, v) for f in ("dtype", "param_dtype") for v in model_config.DTYPES
                   if v != "float32"])   # float32: the smoke model's, every case above
-SFT_CASES = [("optimizer.schedule", v) for v in optim.SCHEDULES]
+SFT_CASES = ([("optimizer.schedule", v) for v in optim.SCHEDULES]
+             + [("step.direct_single_micro_batch", True), ("step.cast_params_once", True)])
 
 
 def test_the_cases_cover_every_registered_value():
