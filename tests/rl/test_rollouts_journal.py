@@ -101,9 +101,17 @@ def test_a_journal_line_keeps_what_evaluation_reads():
 
 class _SignalsAt(_Dies):
   """The pool; at its `at`-th reply this process gets SIGTERM (a real signal, taken by
-  the active `interrupt.StopRequests`)."""
+  the active `interrupt.StopRequests`). With `hold=True` no later reply comes back until
+  the collection cancels it: a collection that missed the stop would hang (ended by
+  pytest-timeout), and one that sees it cannot have finished the rest first, however
+  the host schedules the signal's handler and the stop poll (STOP_POLL_S)."""
+
+  def __init__(self, pool, at=None, hold=False):
+    super().__init__(pool, at)
+    self.hold = hold
 
   async def generate(self, request):
+    import asyncio
     import os
     import signal
     self.started += request.request_id.endswith("/turn0")
@@ -111,6 +119,8 @@ class _SignalsAt(_Dies):
     self.returned += 1
     if self.at is not None and self.returned == self.at:
       os.kill(os.getpid(), signal.SIGTERM)
+    elif self.hold and self.at is not None and self.returned > self.at:
+      await asyncio.get_running_loop().create_future()   # until cancelled
     return out
 
 
@@ -120,7 +130,8 @@ def test_a_stop_request_ends_a_journaled_collection_at_a_finished_trajectory(par
   reference = _flat(_collect(parts, parts[2]))
   journal = str(tmp_path / "eval.journal.jsonl")
   with interrupt.StopRequests(), pytest.raises(interrupt.Interrupted) as e:
-    _collect(parts, _SignalsAt(parts[2], at=8), journal=journal, journal_key={"model": "a"})
+    _collect(parts, _SignalsAt(parts[2], at=8, hold=True), journal=journal,
+             journal_key={"model": "a"})
   assert e.value.signum == signal.SIGTERM and "trajectories of rollouts" in str(e.value)
   with open(journal) as f:
     kept = len(f.read().splitlines()) - 1
