@@ -200,6 +200,14 @@ def _check_python(args: list[str], where: str) -> None:
   i = 0
   while i < len(rest):
     a = rest[i]
+    if a == "--":
+      # The end of this program's flags: what follows is a command it runs (e.g.
+      # experiments.under_load's), checked as a command of its own.
+      after = rest[i + 1:]
+      if after[:1] in (["python"], ["python3"]) and len(after) > 1:
+        _check_python(after[1:], where)
+      rest = rest[:i]
+      break
     if a.startswith("--config.") or a.startswith("--config="):
       if a.startswith("--config="):
         config_spec = a.split("=", 1)[1]
