@@ -78,10 +78,9 @@ from rstar_jax.rl import losses
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
 
+from experiments.preflight import ACCELERATORS  # noqa: E402  (HBM per device, GB)
+
 GB = 1e9
-# HBM per device as vendors quote it (MI300X 192 GB, H100 SXM 80 GB, H200 141 GB), compared
-# with 1e9-byte GB: below what the runtimes report as total, so "fits" errs on the safe side.
-ACCELERATORS: dict[str, float] = {"MI300X": 192.0, "H100": 80.0, "H200": 141.0}
 
 # Batch arrays of the train step and their dtypes (as rstar_jax.rl.batching builds them).
 BATCH_DTYPES: dict[str, Any] = {

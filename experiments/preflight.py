@@ -59,8 +59,9 @@ import sys
 from typing import Any, Sequence
 
 GB = 1e9
-# HBM per device as vendors quote it (experiments/plan_memory.ACCELERATORS, kept here too
-# so that the pure functions below import nothing heavy).
+# HBM per device as vendors quote it (MI300X 192 GB, H100 SXM 80 GB, H200 141 GB), compared
+# with 1e9-byte GB: below what the runtimes report as total, so "fits" errs on the safe side.
+# experiments/plan_memory.py reads it from here (this module imports nothing heavy).
 ACCELERATORS: dict[str, float] = {"MI300X": 192.0, "H100": 80.0, "H200": 141.0}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HTTP_BACKENDS = ("sglang", "server")
