@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads, into .whl/ (ignored by git), the wheels of the packages this project needs
-# that the lent GPU machines' image lacks (pure-Python, a few MB in all), for Python 3.12
+# that a GPU host's JAX + CUDA image lacks (pure-Python, a few MB in all), for Python 3.12
 # on x86-64, at the versions requirements.txt pins. The device command then installs
 # them with `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`
 # and runs with PYTHONPATH=/tmp/site (see experiments/device_check.py).

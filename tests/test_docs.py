@@ -456,7 +456,8 @@ ENVIRONMENT_WORDS = [
 ]
 WORDS_SCOPE = ["docs/**/*.md", "README.md", "WORKSPACE.md", "sandbox/README.md",
                "notebooks/*.ipynb", "experiments/**/*.py", "rstar_jax/**/*.py", "sandbox/**/*.py",
-               "tests/**/*.py"]
+               "tests/**/*.py", "experiments/**/*.sh", "experiments/**/*.sbatch", ".ci/run",
+               "requirements*.txt", "tests/*.txt"]
 # This file names the words it looks for; nothing else is exempt.
 WORDS_EXEMPT = {os.path.relpath(os.path.abspath(__file__), REPO)}
 
