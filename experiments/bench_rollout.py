@@ -326,7 +326,7 @@ def bench_agent():
   from rstar_jax.model import config as model_config, qwen3
   from rstar_jax.rollout import chat
   from rstar_jax.rollout.agent_loop import AgentConfig, run_many
-  from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
+  from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
   from rstar_jax.rollout.scheduler import EnginePool
   from rstar_jax.rollout.tools import SandboxTools
   from sandbox.launcher import running_server

@@ -793,7 +793,8 @@ def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
   head_grad = jax.jit(jax.value_and_grad(head, argnums=(0, 1)))
   out["head_logprobs_s"] = roofline._median_time(
       lambda: jax.block_until_ready(head_grad(params, hidden)), FLAGS.steps)
-  del head_grad, hidden
+  # Dropped (not `del`: the timing lambda above closes over them) so the memory is freed.
+  head_grad = hidden = None
   gc.collect()
   # The optimizer alone: the train step's AdamW update (with its clipping) of the L-layer
   # slice's parameters, state donated as in the step.
@@ -810,7 +811,7 @@ def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
     holder[0], holder[1] = update(holder[0], holder[1], grads)
     jax.block_until_ready(holder[0])
   out["optimizer_s"] = roofline._median_time(run_update, FLAGS.steps)
-  del holder, grads, params
+  holder = grads = params = None   # freed before the next part (the closures keep the names)
   jax.clear_caches()
   gc.collect()
   # Packed rows: the segment path of the 14B config's attention on this device.
@@ -1057,7 +1058,7 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def transformers_logits(export_dir: str, tokens) -> "np.ndarray":
+def transformers_logits(export_dir: str, tokens) -> Any:
   """Logits of `tokens` [B, T] from the HF export as transformers reads it
   (Qwen3ForCausalLM, torch fp32 on the CPU: the reference does not depend on the
   accelerator)."""

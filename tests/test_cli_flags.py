@@ -31,7 +31,7 @@ def test_gpu_smoke_names_a_bad_mesh_or_preset(args, message):
   out = subprocess.run([sys.executable, "-m", "experiments.gpu_smoke", *args], cwd=REPO,
                        capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
-  assert out.returncode == 1 and f"gpu_smoke: " in out.stderr and message in out.stderr
+  assert out.returncode == 1 and "gpu_smoke: " in out.stderr and message in out.stderr
   assert "Traceback" not in out.stderr
 
 

@@ -20,8 +20,6 @@ Points (`get_sweep`):
 G is the variant's `rl.downsample.group_size`: 4 (also in the `:smoke` variant, toy.py's
 smoke run, to try the sweep end to end).
 """
-from rstar_jax import config_utils as cu
-from rstar_jax.recipe import stages as recipe
 
 from experiments.configs import toy
 

@@ -7,7 +7,7 @@ Requests are token-in / token-out: ids in, sampled ids and their log-probs out.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 
 @dataclasses.dataclass(kw_only=True)

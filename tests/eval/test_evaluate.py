@@ -1,5 +1,4 @@
 """Evaluation runner on a scripted engine: known answers give known pass@k."""
-import asyncio
 import datetime
 import decimal
 import json

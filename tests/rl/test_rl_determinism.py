@@ -13,7 +13,6 @@ import asyncio
 
 import jax
 import numpy as np
-import pytest
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages as recipe
