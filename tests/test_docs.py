@@ -40,7 +40,7 @@ DOCS = sorted(["README.md", "WORKSPACE.md", os.path.join("sandbox", "README.md")
 # Programs a doc may show that are not this repository's to check (the host's, or another
 # project's): their arguments are left alone.
 OUTSIDE = {"apt-get", "git", "cd", ".", "source", "ray", "docker", "export", "tensorboard", "mkdir",
-           "tee"}
+           "tee", "ruff", "yapf-diff"}
 # `python -m` modules from elsewhere: the standard library, pip, pytest, SGLang (GPU hosts).
 OUTSIDE_MODULES = {"venv", "pip", "pytest", "sglang.launch_server"}
 PYTHONS = re.compile(r"^python(3(\.\d+)?)?$")
