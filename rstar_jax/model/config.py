@@ -12,7 +12,11 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj", "save_qkv_attn",
                   "save_dot_except_mlp")
-ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product", "auto")
+ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product", "dot_product_lengths", "auto")
+# How a decode step (one new token per row) attends over the KV cache: "dense" reads the
+# first attend_len slots of every row (attention_impl's cached path); "pallas" reads each
+# row's filled slots only (rstar_jax/model/decode_attention.py).
+DECODE_ATTENTION_IMPLS = ("dense", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +44,7 @@ class Qwen3Config:
   remat_policy: str = "none"
   attention_impl: str = "blockwise"
   attention_chunk: int = 1024  # query-block length for attention_impl="chunked" / "blockwise".
+  decode_attention_impl: str = "dense"  # DECODE_ATTENTION_IMPLS
   scan_layers: bool = True
 
   def __post_init__(self):
@@ -65,6 +70,10 @@ class Qwen3Config:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(
           f"Qwen3Config.attention_impl={self.attention_impl!r}; choose from {ATTENTION_IMPLS}")
+    if self.decode_attention_impl not in DECODE_ATTENTION_IMPLS:
+      raise ValueError(
+          f"Qwen3Config.decode_attention_impl={self.decode_attention_impl!r}; choose from "
+          f"{DECODE_ATTENTION_IMPLS}")
     for name in ("rope_theta", "rms_norm_eps"):
       if not getattr(self, name) > 0:
         raise ValueError(f"Qwen3Config.{name} must be > 0, got {getattr(self, name)!r}")
@@ -149,7 +158,7 @@ ModelConfig = dataclasses.make_dataclass(
 
 # Fields of a checkpoint that may differ from its config.json: how it runs, not what it is.
 RUNTIME_FIELDS = ("param_dtype", "dtype", "remat_policy", "attention_impl", "attention_chunk",
-                  "scan_layers")
+                  "decode_attention_impl", "scan_layers")
 
 
 def overrides_of(cfg) -> dict[str, Any]:
