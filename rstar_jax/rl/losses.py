@@ -31,6 +31,16 @@ Metrics (token averages over the mask of the full batch):
     verl logs as ppo_kl); ratio_mean: mean rho; entropy: mean of the given per-token entropy.
 `logprob_diff_metrics` gives the sampler-vs-trainer log-prob gap (mean abs, max abs).
 
+Per-token form (for a fused head, `rstar_jax.model.fused_head`). Every registered
+aggregation is a weighted sum of the per-token values with weights fixed by the mask and the
+normaliser (`LINEAR_AGGREGATIONS`), and the per-token loss (clip, dual clip, behaviour
+weight, KL) depends on the token's own new log-prob only; so
+  loss = sum_{i,t} token_loss(new_logp_it) = sum_{i,t} w_it * (l_it + kl_coef * kl_it)
+and d loss / d new_logp_it depends on new_logp_it alone. `token_loss_inputs` builds the
+[B, T] arrays (w included) and `token_loss` gives each token's share. An aggregation whose
+weights depend on the values (registered without linear=True) has no such form: the fused
+head refuses it (`require_token_linear`).
+
 Off-policy corrections (registry `OFF_POLICY`, picked by `LossConfig.off_policy`; what
 they are for: bounded-staleness asynchronous rollouts, docs/guides/async_rollouts.md):
   behaviour:  the objective above with old = the behaviour policy (the sampler that
@@ -70,9 +80,14 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "MAX_REDUCED_METRICS",
+    "LINEAR_AGGREGATIONS",
     "register_aggregation",
     "get_aggregation",
     "aggregate",
+    "require_token_linear",
+    "token_weights",
+    "token_loss_inputs",
+    "token_loss",
     "kl_penalty",
     "OFF_POLICY",
     "ppo_loss",
@@ -186,24 +201,40 @@ class LossConfig:
 
 Aggregation = Callable[[Array, Array, LossNormalizer, LossConfig], Array]
 AGGREGATIONS: Registry = Registry("loss aggregation")
-register_aggregation = AGGREGATIONS.register
 get_aggregation = AGGREGATIONS.lookup
+# Aggregations that are sum_{i,t} w_it * values_it with w fixed by the mask and the
+# normaliser (not by the values): the ones a fused head loss can take (module docstring).
+LINEAR_AGGREGATIONS: set[str] = set()
 
 
-@register_aggregation("token-mean")
+def register_aggregation(name: str, *, linear: bool = False):
+  """Registers an aggregation under `name`. linear=True declares it a weighted sum of
+  the per-token values whose weights do not depend on the values (what
+  `StepConfig.fused_head_loss` needs); a wrong declaration gives wrong gradients there."""
+  deco = AGGREGATIONS.register(name)
+
+  def wrap(fn):
+    fn = deco(fn)
+    if linear:
+      LINEAR_AGGREGATIONS.add(name)
+    return fn
+  return wrap
+
+
+@register_aggregation("token-mean", linear=True)
 def _token_mean(values, mask, norm, config):
   del config
   return (values * mask).sum() / jnp.maximum(norm.num_tokens, 1.0)
 
 
-@register_aggregation("seq-mean-token-mean")
+@register_aggregation("seq-mean-token-mean", linear=True)
 def _seq_mean_token_mean(values, mask, norm, config):
   del config
   per_seq = (values * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
   return per_seq.sum() / jnp.maximum(norm.num_seqs, 1.0)
 
 
-@register_aggregation("seq-mean-token-sum-norm")
+@register_aggregation("seq-mean-token-sum-norm", linear=True)
 def _seq_mean_token_sum_norm(values, mask, norm, config):
   if config.max_response_len is None:
     raise ValueError("LossConfig.max_response_len must be set for seq-mean-token-sum-norm "
@@ -215,6 +246,25 @@ def aggregate(values: Array, mask: Array, normalizer: LossNormalizer,
               config: LossConfig) -> Array:
   """This micro-batch's share of the full-batch aggregate of per-token `values`."""
   return get_aggregation(config.aggregation)(values, mask, normalizer, config)
+
+
+def require_token_linear(config: LossConfig, what: str = "StepConfig.fused_head_loss") -> None:
+  """Raises unless `config`'s aggregation is in `LINEAR_AGGREGATIONS`."""
+  if config.aggregation not in LINEAR_AGGREGATIONS:
+    raise ValueError(
+        f"{what} needs a loss whose gradient per token depends on that token's log-prob "
+        f"alone, but LossConfig.aggregation={config.aggregation!r} is not registered as "
+        f"linear in the per-token losses (linear: {sorted(LINEAR_AGGREGATIONS)}); use one "
+        "of those, register the aggregation with linear=True if its weights do not depend "
+        f"on the values, or set {what}=False")
+
+
+def token_weights(mask: Array, normalizer: LossNormalizer, config: LossConfig) -> Array:
+  """[B, T] float32: each token's weight w in the aggregate, sum_{i,t} w_it * values_it
+  (the aggregation's gradient with respect to the values; exact for a linear one)."""
+  require_token_linear(config)
+  m = jnp.asarray(mask, jnp.float32)
+  return jax.grad(lambda v: aggregate(v, m, normalizer, config))(jnp.zeros_like(m))
 
 
 # --- KL to a reference ----------------------------------------------------------------------
@@ -278,6 +328,84 @@ def _token_mean_metric(values: Array, mask: Array, norm: LossNormalizer) -> Arra
   return (values * mask).sum() / jnp.maximum(norm.num_tokens, 1.0)
 
 
+class _Inputs(NamedTuple):
+  old: Array                    # float32, no gradient: the ratio's denominator (behaviour)
+  advantages: Array             # float32 [B, 1] or [B, T]
+  mask: Array                   # float32 [B, T]
+  ref: Array | None             # float32, no gradient; only with kl_coef > 0
+  prox: Array | None            # float32, no gradient; only with a decoupled correction
+
+
+def _inputs(shape, old_logp, advantages, mask, config, ref_logp, prox_logp) -> _Inputs:
+  """The loss's inputs besides the new log-probs, checked against `shape` and in float32."""
+  _check_shape("old_logp", old_logp, shape)
+  _check_shape("mask", mask, shape)
+  advantages = jnp.asarray(advantages, jnp.float32)
+  if advantages.ndim == 1:
+    _check_shape("advantages", advantages, shape[:1])
+    advantages = advantages[:, None]
+  else:
+    _check_shape("advantages", advantages, shape)
+  m = jnp.asarray(mask, jnp.float32)
+  old_f = jax.lax.stop_gradient(jnp.asarray(old_logp, jnp.float32))
+  prox_f = ref_f = None
+  if OFF_POLICY.lookup(config.off_policy) is not None:
+    if prox_logp is None:
+      raise ValueError(f"prox_logp is required by LossConfig.off_policy={config.off_policy!r}")
+    _check_shape("prox_logp", prox_logp, shape)
+    prox_f = jax.lax.stop_gradient(jnp.asarray(prox_logp, jnp.float32))
+  if config.kl_coef > 0:
+    if ref_logp is None:
+      raise ValueError("ref_logp is required when LossConfig.kl_coef > 0")
+    _check_shape("ref_logp", ref_logp, shape)
+    ref_f = jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32))
+  return _Inputs(old_f, advantages, m, ref_f, prox_f)
+
+
+class _Terms(NamedTuple):
+  per_token: Array              # the clipped policy-gradient loss (times the behaviour weight)
+  kl: Array | None              # the KL estimate per token (kl_coef > 0)
+  log_ratio: Array
+  ratio: Array
+  neg_adv: Array
+  dual: Array
+  behav: tuple[Array, Array, Array] | None   # (log w, w after the cap, capped)
+
+
+def _token_terms(new_f: Array, x: _Inputs, config: LossConfig) -> _Terms:
+  """The per-token quantities of the loss; each token's from its own log-probs only."""
+  old_f = x.old
+  advantages = x.advantages
+  correction = OFF_POLICY.lookup(config.off_policy)
+  behav = None
+  if correction is not None:
+    # The behaviour weight's log is clamped as the ratio's is: a token the sampler
+    # found far less likely than the proximal policy must not overflow before the cap.
+    log_w = jnp.clip(x.prox - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
+    weight, capped = correction(log_w, config.behaviour_weight_cap)
+    behav = (log_w, weight, capped)
+    old_f = x.prox            # the trust region is around the proximal policy
+  log_ratio = jnp.clip(new_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
+  ratio = jnp.exp(log_ratio)
+  lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
+  pg_unclipped = -advantages * ratio
+  pg_clipped = -advantages * jnp.clip(ratio, lo, hi)
+  per_token = jnp.maximum(pg_unclipped, pg_clipped)
+  neg_adv = advantages < 0
+  if config.dual_clip_c is not None:
+    per_token = jnp.where(neg_adv, jnp.minimum(per_token, -advantages * config.dual_clip_c),
+                          per_token)
+    dual = neg_adv & (ratio > config.dual_clip_c)
+  else:
+    dual = jnp.zeros(new_f.shape, bool)
+  if behav is not None:
+    per_token = behav[1] * per_token
+  kl = None
+  if config.kl_coef > 0:
+    kl = kl_penalty(new_f, x.ref, config.kl_estimator)
+  return _Terms(per_token, kl, log_ratio, ratio, neg_adv, dual, behav)
+
+
 def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
              config: LossConfig = LossConfig(), normalizer: LossNormalizer | None = None,
              ref_logp: Array | None = None, entropy: Array | None = None,
@@ -306,69 +434,29 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
   if new_logp.ndim != 2:
     raise ValueError(f"new_logp must be [batch, time], got shape {new_logp.shape}")
   shape = new_logp.shape
-  _check_shape("old_logp", old_logp, shape)
-  _check_shape("mask", mask, shape)
-  advantages = jnp.asarray(advantages, jnp.float32)
-  if advantages.ndim == 1:
-    _check_shape("advantages", advantages, shape[:1])
-    advantages = advantages[:, None]
-  else:
-    _check_shape("advantages", advantages, shape)
-  m = jnp.asarray(mask, jnp.float32)
+  x = _inputs(shape, old_logp, advantages, mask, config, ref_logp, prox_logp)
+  m = x.mask
   if normalizer is None:
     normalizer = LossNormalizer.from_mask(m)
 
-  new_f = new_logp.astype(jnp.float32)
-  old_f = jax.lax.stop_gradient(jnp.asarray(old_logp, jnp.float32))
-  correction = OFF_POLICY.lookup(config.off_policy)
-  behav = None
-  if correction is not None:
-    if prox_logp is None:
-      raise ValueError(f"prox_logp is required by LossConfig.off_policy={config.off_policy!r}")
-    _check_shape("prox_logp", prox_logp, shape)
-    prox_f = jax.lax.stop_gradient(jnp.asarray(prox_logp, jnp.float32))
-    # The behaviour weight's log is clamped as the ratio's is: a token the sampler
-    # found far less likely than the proximal policy must not overflow before the cap.
-    log_w = jnp.clip(prox_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
-    weight, capped = correction(log_w, config.behaviour_weight_cap)
-    behav = (log_w, weight, capped)
-    old_f = prox_f            # the trust region is around the proximal policy
-  log_ratio = jnp.clip(new_f - old_f, -config.log_ratio_clamp, config.log_ratio_clamp)
-  ratio = jnp.exp(log_ratio)
+  terms = _token_terms(new_logp.astype(jnp.float32), x, config)
+  advantages, ratio, log_ratio = x.advantages, terms.ratio, terms.log_ratio
   lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
-  pg_unclipped = -advantages * ratio
-  pg_clipped = -advantages * jnp.clip(ratio, lo, hi)
-  per_token = jnp.maximum(pg_unclipped, pg_clipped)
-  neg_adv = advantages < 0
-  if config.dual_clip_c is not None:
-    per_token = jnp.where(neg_adv, jnp.minimum(per_token, -advantages * config.dual_clip_c),
-                          per_token)
-    dual = neg_adv & (ratio > config.dual_clip_c)
-  else:
-    dual = jnp.zeros(shape, bool)
-  if behav is not None:
-    per_token = behav[1] * per_token
-
-  pg_loss = aggregate(per_token, m, normalizer, config)
+  pg_loss = aggregate(terms.per_token, m, normalizer, config)
   loss = pg_loss
   metrics = {"pg_loss": pg_loss}
-  if config.kl_coef > 0:
-    if ref_logp is None:
-      raise ValueError("ref_logp is required when LossConfig.kl_coef > 0")
-    _check_shape("ref_logp", ref_logp, shape)
-    kl = kl_penalty(new_f, jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32)),
-                    config.kl_estimator)
-    kl_loss = aggregate(kl, m, normalizer, config)
+  if terms.kl is not None:
+    kl_loss = aggregate(terms.kl, m, normalizer, config)
     loss = loss + config.kl_coef * kl_loss
     metrics["kl_loss"] = kl_loss
 
-  def tm(x):
-    return _token_mean_metric(jax.lax.stop_gradient(x).astype(jnp.float32), m, normalizer)
+  def tm(v):
+    return _token_mean_metric(jax.lax.stop_gradient(v).astype(jnp.float32), m, normalizer)
 
   metrics.update(
       clip_frac_high=tm((advantages > 0) & (ratio > hi)),
-      clip_frac_low=tm(neg_adv & (ratio < lo)),
-      dual_clip_frac=tm(dual),
+      clip_frac_low=tm(terms.neg_adv & (ratio < lo)),
+      dual_clip_frac=tm(terms.dual),
       approx_kl=tm(ratio - 1.0 - log_ratio),
       ppo_kl=tm(-log_ratio),
       ratio_mean=tm(ratio),
@@ -376,8 +464,8 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
   if entropy is not None:
     _check_shape("entropy", entropy, shape)
     metrics["entropy"] = tm(jnp.asarray(entropy))
-  if behav is not None:
-    log_w, _, capped = behav
+  if terms.behav is not None:
+    log_w, _, capped = terms.behav
     metrics.update(
         behav_weight_mean=tm(jnp.exp(log_w)),
         behav_weight_max=jnp.max(jnp.where(m > 0, jnp.exp(log_w), 0.0), initial=0.0),
@@ -385,6 +473,44 @@ def ppo_loss(new_logp: Array, old_logp: Array, advantages: Array, mask: Array, *
         behav_capped_frac=tm(capped),
     )
   return loss, metrics
+
+
+def token_loss_inputs(old_logp: Array, advantages: Array, mask: Array, *,
+                      config: LossConfig, normalizer: LossNormalizer | None = None,
+                      ref_logp: Array | None = None, prox_logp: Array | None = None
+                      ) -> dict[str, Array]:
+  """The [B, T] float32 arrays that, with the new log-probs, give each token's share of
+  `ppo_loss`'s loss (`token_loss`): old_logp, advantages (broadcast over time), weight
+  (`token_weights`), and ref_logp / prox_logp where the config needs them. Arguments
+  as `ppo_loss`'s, checked the same way; refuses an aggregation not in
+  `LINEAR_AGGREGATIONS`."""
+  require_token_linear(config)
+  mask = jnp.asarray(mask)
+  if mask.ndim != 2:
+    raise ValueError(f"mask must be [batch, time], got shape {mask.shape}")
+  x = _inputs(mask.shape, old_logp, advantages, mask, config, ref_logp, prox_logp)
+  if normalizer is None:
+    normalizer = LossNormalizer.from_mask(x.mask)
+  out = {"old_logp": x.old, "advantages": jnp.broadcast_to(x.advantages, mask.shape),
+         "weight": token_weights(x.mask, normalizer, config)}
+  if x.ref is not None:
+    out["ref_logp"] = x.ref
+  if x.prox is not None:
+    out["prox_logp"] = x.prox
+  return out
+
+
+def token_loss(new_logp: Array, inputs: Mapping[str, Array], config: LossConfig) -> Array:
+  """Each token's share of `ppo_loss`'s loss, w * (l + kl_coef * kl), from the new log-probs
+  and `token_loss_inputs` (any matching shape: a chunk of positions of them). Elementwise:
+  token (i, t)'s value depends on new_logp[i, t] alone, and the shares sum to the loss."""
+  x = _Inputs(old=inputs["old_logp"], advantages=inputs["advantages"],
+              mask=inputs["weight"], ref=inputs.get("ref_logp"), prox=inputs.get("prox_logp"))
+  terms = _token_terms(jnp.asarray(new_logp).astype(jnp.float32), x, config)
+  out = terms.per_token
+  if terms.kl is not None:
+    out = out + config.kl_coef * terms.kl
+  return inputs["weight"] * out
 
 
 def logprob_diff_metrics(trainer_logp: Array, sampler_logp: Array, mask: Array,
