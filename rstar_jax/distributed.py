@@ -207,3 +207,135 @@ def host_value(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
+
+
+def all_objects(obj: Any) -> list[Any]:
+  """Every process's `obj` (picklable), on every process, in process order (a JAX
+  collective; `[obj]` for one process)."""
+  if not multi_process():
+    return [obj]
+  from jax.experimental import multihost_utils
+  payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array(payload.size, np.int64)))
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:payload.size] = payload
+  bufs = np.asarray(multihost_utils.process_allgather(buf))
+  return [pickle.loads(b[:int(n)].tobytes()) for b, n in zip(bufs, sizes.reshape(-1))]
+
+
+def raise_if_any_failed(error: BaseException | None, what: str) -> None:
+  """After work every process did on its own (each writing its files): raises on every
+  process when any failed, its own error where it failed, a RuntimeError naming the
+  failed processes elsewhere; returns on every process when none did. A process that
+  raised alone would leave the others waiting in their next collective."""
+  failures = [(i, e) for i, e in enumerate(all_objects(
+      None if error is None else f"{type(error).__name__}: {error}")) if e is not None]
+  if error is not None:
+    raise error
+  if failures:
+    raise RuntimeError(f"{what}: " + "; ".join(f"process {i} failed ({e})"
+                                               for i, e in failures))
+
+
+def gather_to(x: jax.Array, process: int) -> np.ndarray | None:
+  """The whole of `x` on process `process` only; None on the others.
+
+  Unlike `host_value` (an all-gather: every process receives every byte), each block of
+  `x` that `process` lacks travels once, from one device that holds it to one device
+  of `process` (`jax.lax.ppermute` inside a `shard_map`: point to point, over gloo on
+  CPU, NCCL on GPU). The other processes' cost is sending their blocks; blocks
+  `process` already holds (replicas) do not move at all, and when it holds every
+  block no collective runs. Every process must call it, in the same order."""
+  if not multi_process():
+    return np.asarray(jax.device_get(x))
+  me = jax.process_index()
+  if x.is_fully_addressable:   # a process-local value: every process has its own
+    return np.asarray(jax.device_get(x)) if me == process else None
+  plan = _gather_plan(x.sharding, tuple(x.shape), process)
+  if plan is None:   # `process` holds no device of x: only an all-gather reaches it
+    value = host_value(x)
+    return value if me == process else None
+  devices, local, rounds, pad = plan
+  shards = {s.device: s.data for s in x.addressable_shards}
+  received = None
+  if rounds:
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(devices), ("gather",))
+    bufs = []
+    for d in devices:
+      if d.process_index != me:
+        continue
+      data = shards[d]
+      if tuple(data.shape) != pad:   # an uneven block: every block goes at one size
+        data = jax.numpy.pad(data, [(0, p - s) for p, s in zip(pad, data.shape)])
+      bufs.append(data.reshape((1, *pad)))
+    stacked = jax.make_array_from_single_device_arrays(
+        (len(devices), *pad), NamedSharding(mesh, PartitionSpec("gather")), bufs)
+    received = _permuter(mesh, tuple(tuple(p for p, _ in r) for r in rounds))(stacked)
+  if me != process:
+    return None
+  out = np.empty(x.shape, x.dtype)
+  for index, device in local:
+    out[index] = np.asarray(shards[device])
+  if received is not None:
+    by_device = {s.device: s.data for s in received.addressable_shards}
+    for r, pairs in enumerate(rounds):
+      for (_, dst), index in pairs:
+        block = np.asarray(by_device[devices[dst]][r, 0])
+        out[index] = block[tuple(slice(0, s.stop - s.start) for s in index)]
+  return out
+
+
+def _gather_plan(sharding, shape: tuple[int, ...], process: int):
+  """What `gather_to` moves: (devices in a fixed order, [(index, device of `process`
+  holding it)], rounds of [((source position, receiver position), index)], padded
+  block shape), or None when `process` holds none of the devices. The same on every
+  process: it depends only on the sharding, the shape and `process`."""
+  devices = sorted(sharding.device_set, key=lambda d: d.id)
+  position = {d: i for i, d in enumerate(devices)}
+  receivers = [d for d in devices if d.process_index == process]
+  if not receivers:
+    return None
+  holders: dict[tuple, list] = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    key = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    holders.setdefault(tuple((s.start, s.stop) for s in key), []).append(device)
+  local, remote = [], []
+  for key in sorted(holders):
+    index = tuple(slice(a, b) for a, b in key)
+    held = sorted(holders[key], key=lambda d: d.id)
+    mine = [d for d in held if d.process_index == process]
+    if mine:
+      local.append((index, mine[0]))
+    else:
+      remote.append((index, held[0]))
+  # A round is one ppermute: each receiver takes at most one block (every source is a
+  # distinct device, as a device holds one block).
+  rounds = []
+  for start in range(0, len(remote), len(receivers)):
+    chunk = remote[start:start + len(receivers)]
+    rounds.append([((position[src], position[dst]), index)
+                   for (index, src), dst in zip(chunk, receivers)])
+  pad = tuple(max([b - a for a, b in (k[dim] for k in holders)]) for dim in range(len(shape)))
+  return devices, local, rounds, pad
+
+
+_PERMUTERS: dict[Any, Callable] = {}
+
+
+def _permuter(mesh, rounds: tuple[tuple[tuple[int, int], ...], ...]) -> Callable:
+  """jit(shard_map) sending, in round r, each source's block to its receiver; out
+  [rounds, devices, *block], where a device that received nothing in a round holds
+  zeros there."""
+  key = (mesh, rounds)
+  if key not in _PERMUTERS:
+    from jax.sharding import PartitionSpec
+
+    def move(block):
+      return jax.numpy.stack([jax.lax.ppermute(block, "gather", list(perm))
+                              for perm in rounds])
+
+    _PERMUTERS[key] = jax.jit(jax.shard_map(
+        move, mesh=mesh, in_specs=PartitionSpec("gather"),
+        out_specs=PartitionSpec(None, "gather")))
+  return _PERMUTERS[key]

@@ -385,10 +385,18 @@ def _hf_nbytes(var, layer: int | None, dtype: str) -> int:
   return int(np.prod(shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "kind", "dtype"))
 def _hf_layout(value, *, layer: int | None, kind: str, dtype: str):
   """On the devices: one layer's slice, in HF's layout and dtype (XLA casts and
   transposes far faster than numpy, and only the converted bytes leave the device)."""
+  if layer is None:
+    return _hf_layout_jit(value, None, kind=kind, dtype=dtype)
+  # The layer is an argument, not a constant: one program per kind serves every layer
+  # (a constant compiled one per layer and kind, 360 programs for a 40-layer model).
+  return _hf_layout_jit(value, np.int32(layer), kind=kind, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "dtype"))
+def _hf_layout_jit(value, layer, *, kind: str, dtype: str):
   if layer is not None:
     value = value[layer]
   value = value.astype(jnp.float32)
@@ -428,15 +436,21 @@ _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\
 
 def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
             max_shard_bytes: int = 5 * 1024 ** 3, tokenizer_dir: str | None = None,
-            chat_template: str | None = None) -> None:
+            chat_template: str | None = None, parallel: bool = False) -> list[str]:
   """Writes a HF Qwen3 directory (config.json + safetensors [+ index]).
 
   Files are written under temporary names and renamed last, so a crash never
   leaves a directory that looks complete but is not. Multi-process: every process
-  calls it (each tensor is gathered by a collective), process 0 writes, and all
-  return once the directory is complete.
+  calls it, and all return once the directory is complete. By default each tensor is
+  gathered to every process by a collective and process 0 writes every file.
 
   Args:
+    parallel: multi-process only (one process writes as without it): every process
+      writes its own share of the tensors, balanced by bytes, into its own
+      `model-0000k-of-0000n.safetensors` file(s), at the same time as the others; each
+      tensor is gathered to its writer alone (`distributed.gather_to`). Process 0
+      writes the index, config.json and the tokenizer once every share is on disk.
+      `out_dir` must be one directory every process sees (shared storage on a cluster).
     tokenizer_dir: a tokenizer directory whose files are copied alongside.
     chat_template: a Jinja chat template (e.g. `rollout.chat.hf_chat_template(config)`),
       stored as `chat_template` in the exported `tokenizer_config.json`, where
@@ -453,6 +467,9 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
                                     or not chat_template.strip()):
     raise ValueError(f"save_hf: chat_template must be a non-empty string, got "
                      f"{chat_template!r:.80}")
+  if parallel and distributed.multi_process():
+    return _save_parallel(model, out_dir, dtype, max_shard_bytes, tokenizer_dir,
+                          chat_template)
   main = distributed.is_main()
   if main:
     os.makedirs(out_dir, exist_ok=True)
@@ -490,17 +507,214 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
     written.append((tmp, os.path.join(out_dir, fname)))
     weight_map.update({name: fname for name, *_ in entries})
   distributed.on_main(
-      lambda: _finish_export(out_dir, model.cfg, dtype, total, plan, weight_map, written,
+      lambda: _finish_export(out_dir, model.cfg, dtype, total,
+                             weight_map if len(plan) > 1 else None, written,
                              tokenizer_dir, chat_template, failed),
       f"save_hf {out_dir}")
+  return names if main else []
 
 
-def _finish_export(out_dir, cfg, dtype, total, plan, weight_map, written, tokenizer_dir,
+# ---- Writing from every process ------------------------------------------------------
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# Converted tensors waiting for the disk, per process: the gathers run ahead of a slower
+# disk by at most this much (a bigger tensor still goes, alone).
+_WRITE_AHEAD_BYTES = 1 << 30
+
+
+def plan_shares(sizes: list[int], processes: int, max_shard_bytes: int
+                ) -> list[tuple[int, list[int]]]:
+  """The files of a parallel export: [(writing process, [tensor positions])], in order.
+
+  `sizes` are the tensors' bytes in HF order. Each process takes one contiguous run of
+  them, cut where the running total is nearest k * total / processes (shares differ
+  by at most about one tensor); a share above `max_shard_bytes` is cut into several
+  files as `save_hf` cuts one. A process left with nothing writes no file. It depends
+  only on the sizes and the process count, so every process plans the same files."""
+  if processes < 1:
+    raise ValueError(f"plan_shares: processes must be >= 1, got {processes}")
+  total = sum(sizes)
+  prefix = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+  cuts = [0]
+  for k in range(1, processes):
+    target = total * k / processes
+    at = int(np.argmin(np.abs(prefix - target)))
+    cuts.append(max(at, cuts[-1]))
+  cuts.append(len(sizes))
+  files = []
+  for process in range(processes):
+    share = range(cuts[process], cuts[process + 1])
+    current: list[int] = []
+    size = 0
+    for i in share:
+      if current and size + sizes[i] > max_shard_bytes:
+        files.append((process, current))
+        current, size = [], 0
+      current.append(i)
+      size += sizes[i]
+    if current:
+      files.append((process, current))
+  return files
+
+
+class _StreamedShard:
+  """One safetensors file written tensor by tensor: the header is known from the
+  shapes, so each tensor goes straight to its offset (nothing is held back to build
+  the file in memory, as `safetensors.save_file` does)."""
+
+  def __init__(self, path: str, tensors: list[tuple[str, tuple[int, ...]]], dtype: str):
+    self.path = path
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    self.offsets: dict[str, tuple[int, int]] = {}
+    offset = 0
+    itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
+    for name, shape in tensors:
+      end = offset + int(np.prod(shape)) * itemsize
+      header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                      "data_offsets": [offset, end]}
+      self.offsets[name] = (offset, end)
+      offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)   # the data starts 8-byte aligned, as safetensors does
+    self.head = len(text).to_bytes(8, "little") + text
+    self.pending = set(self.offsets)
+    self.fd: int | None = None
+
+  def write(self, name: str, value: np.ndarray) -> None:
+    begin, end = self.offsets[name]
+    data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+    if len(data) != end - begin:
+      raise ValueError(f"{self.path}: tensor {name} has {len(data)} bytes, planned "
+                       f"{end - begin}")
+    if self.fd is None:
+      self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      self._pwrite(memoryview(self.head), 0)
+    self._pwrite(data, len(self.head) + begin)
+    self.pending.discard(name)
+
+  def _pwrite(self, data: memoryview, offset: int) -> None:
+    while len(data):   # Linux writes at most ~2 GiB per call
+      n = os.pwrite(self.fd, data, offset)
+      data, offset = data[n:], offset + n
+
+  def close(self) -> None:
+    if self.fd is not None:
+      os.close(self.fd)
+      self.fd = None
+    if self.pending:
+      raise RuntimeError(f"{self.path}: {len(self.pending)} tensor(s) never written, e.g. "
+                         f"{sorted(self.pending)[0]}")
+
+
+class _ShardWriter:
+  """A thread that writes this process's tensors while the main thread takes part in
+  the next gathers: the processes' disks work at the same time, and a gather waits
+  for a process's disk only when that process is `_WRITE_AHEAD_BYTES` behind."""
+
+  def __init__(self, shards: dict[str, _StreamedShard]):
+    import threading
+    self.shards = shards
+    self.error: BaseException | None = None
+    self._items: list = []
+    self._bytes = 0
+    self._cond = threading.Condition()
+    self._thread = threading.Thread(target=self._run, name="save_hf writer", daemon=True)
+    self._thread.start()
+
+  def put(self, fname: str, name: str, value: np.ndarray) -> None:
+    with self._cond:
+      self._cond.wait_for(lambda: not self._items or self._bytes < _WRITE_AHEAD_BYTES)
+      self._items.append((fname, name, value))
+      self._bytes += value.nbytes
+      self._cond.notify_all()
+
+  def _run(self) -> None:
+    while True:
+      with self._cond:
+        self._cond.wait_for(lambda: self._items)
+        item = self._items[0]
+      if item is None:
+        return
+      fname, name, value = item
+      if self.error is None:   # after a failure the rest is dropped, never waited for
+        try:
+          self.shards[fname].write(name, value)
+        except Exception as e:  # noqa: BLE001 - reported by close(), on every process
+          self.error = e
+      with self._cond:
+        self._items.pop(0)
+        self._bytes -= value.nbytes
+        self._cond.notify_all()
+
+  def close(self) -> BaseException | None:
+    """Waits for every write; the first error (None if none)."""
+    with self._cond:
+      self._items.append(None)
+      self._cond.notify_all()
+    self._thread.join()
+    for shard in self.shards.values():
+      try:
+        shard.close()
+      except Exception as e:  # noqa: BLE001
+        self.error = self.error or e
+    return self.error
+
+
+def _save_parallel(model: Qwen3, out_dir: str, dtype: str, max_shard_bytes: int,
+                   tokenizer_dir: str | None, chat_template: str | None) -> list[str]:
+  """`save_hf(parallel=True)` with more than one process: see there."""
+  me, processes = jax.process_index(), jax.process_count()
+  entries = list(_hf_order(model.cfg, model))
+  sizes = [_hf_nbytes(var, layer, dtype) for _, var, layer, _ in entries]
+  files = plan_shares(sizes, processes, max_shard_bytes)
+  names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+  owner, file_of = {}, {}
+  for fname, (process, positions) in zip(names, files):
+    for i in positions:
+      owner[i], file_of[i] = process, fname
+  os.makedirs(out_dir, exist_ok=True)   # every process: each writes into it
+  shards = {}
+  for fname, (process, positions) in zip(names, files):
+    if process == me:
+      shards[fname] = _StreamedShard(
+          os.path.join(out_dir, fname + ".tmp"),
+          [(entries[i][0], _hf_shape(entries[i][3], _hf_layer_shape(entries[i][1],
+                                                                    entries[i][2])))
+           for i in positions], dtype)
+  # The gathers go round the processes' shares in turn, so that every writer has work
+  # from the start rather than process k's disk waiting for the shares before it.
+  shares = [[i for i in range(len(entries)) if owner[i] == p] for p in range(processes)]
+  order = [share[k] for k in range(max(map(len, shares), default=0))
+           for share in shares if k < len(share)]
+  writer = _ShardWriter(shards)
+  for i in order:
+    name, var, layer, kind = entries[i]
+    value = distributed.gather_to(_hf_layout(var.get_value(), layer=layer, kind=kind,
+                                             dtype=dtype), owner[i])
+    if value is not None:
+      writer.put(file_of[i], name, value)
+  distributed.raise_if_any_failed(writer.close(), f"save_hf {out_dir}")
+  # Past that collective every share is on disk: process 0 completes the directory.
+  weight_map = {entries[i][0]: file_of[i] for i in range(len(entries))}
+  written = [(os.path.join(out_dir, f + ".tmp"), os.path.join(out_dir, f)) for f in names]
+  distributed.on_main(
+      lambda: _finish_export(out_dir, model.cfg, dtype, sum(sizes), weight_map, written,
+                             tokenizer_dir, chat_template, None),
+      f"save_hf {out_dir}")
+  return sorted(shards)
+
+
+def _hf_layer_shape(var, layer: int | None) -> tuple[int, ...]:
+  """Our shape of one HF tensor (one layer's slice of a stacked parameter)."""
+  return tuple(var.get_value().shape)[1 if layer is not None else 0:]
+
+
+def _finish_export(out_dir, cfg, dtype, total, weight_map, written, tokenizer_dir,
                    chat_template, failed) -> None:
-  """Process 0: the index, config.json and tokenizer next to the written shards."""
+  """Process 0: the index (unless `weight_map` is None: one file), config.json and
+  tokenizer next to the written shards."""
   if failed is not None:
     raise failed
-  if len(plan) > 1:
+  if weight_map is not None:
     index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
     tmp = os.path.join(out_dir, "model.safetensors.index.json.tmp")
     with open(tmp, "w") as f:
