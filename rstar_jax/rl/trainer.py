@@ -121,6 +121,8 @@ class RLConfig:
                        "max_staleness > 0 would take the ratio against the current "
                        "parameters, not the sampler's; use old_logprobs='sampler' (and "
                        "loss.off_policy='behaviour' or 'decoupled')")
+    if self.step.fused_head_loss:
+      losses.require_token_linear(self.loss, "RLConfig.step.fused_head_loss")
     if self.downsample.group_size > self.samples_per_prompt:
       raise ValueError(f"RLConfig: downsample.group_size ({self.downsample.group_size}) "
                        f"exceeds samples_per_prompt ({self.samples_per_prompt})")

@@ -47,12 +47,22 @@ class StepConfig:
       from the copy that gradient is a bf16 array, rounded once per micro-batch.
       Nothing changes where the params are already in the compute dtype. False
       (default): each use casts its weight, as before.
+    fused_head_loss: the RL step only. Compute the policy loss's gradient with respect
+      to the output head's input and weight inside the head's forward pass, a
+      `logprob_chunk` of positions at a time (`rstar_jax.model.fused_head`): three
+      matmuls of the head's size instead of four (no logits recomputed in the backward)
+      and still no [T, vocab] buffer. The same function; sums run in another order, so
+      loss and gradients agree with the unfused head within float rounding, not in bits.
+      Needs a loss aggregation linear in the per-token losses (every registered one is:
+      `rl.losses.LINEAR_AGGREGATIONS`). False (default): the chunked head with its
+      recomputing backward, as before.
   """
   micro_batches: int = 1
   logprob_chunk: int = 512
   compute_entropy: bool = True
   direct_single_micro_batch: bool = False
   cast_params_once: bool = False
+  fused_head_loss: bool = False
 
   def __post_init__(self):
     for name in ("micro_batches", "logprob_chunk"):
