@@ -7,9 +7,12 @@ the trainer nor the same host (slime documents the same route for other vendors'
 engines). Each version is written under a temporary name and renamed when complete,
 so a server never reads half a checkpoint; `hf_io.save_hf` streams the parameters one
 tensor (one layer's slice) at a time, so the whole model is never gathered on one
-host. In a multi-process job every process calls `publish` (the export gathers each
-tensor by a collective); process 0 writes and updates the servers. Old versions are
-removed, the served one and `keep - 1` before it kept.
+host. In a multi-process job every process calls `publish` and writes its own share
+of the tensors into its own safetensors file(s) (`save_hf(parallel=True)`: each
+tensor is gathered to its writer alone, and the processes' writes run at the same
+time); once every share is on disk, process 0 writes the index and config, renames
+the version into place and updates the servers. Old versions are removed, the served
+one and `keep - 1` before it kept.
 """
 from __future__ import annotations
 
@@ -102,16 +105,18 @@ class DiskWeightSync:
     self._count += 1
     version = str(version) if version is not None else f"v{self._count}"
     final = os.path.join(self.directory, version_dirname(version))
-    main = distributed.is_main()
-    # Multi-process: every process takes part in the export's gathers, process 0 writes
-    # and alone talks to the servers (the temporary name is its own).
-    tmp = distributed.share_from_main(f"{final}.tmp-{os.getpid()}")
+    # Multi-process: every process writes its share into the temporary directory,
+    # process 0 alone renames it and talks to the servers (the name is its own). It is
+    # cleared before the others learn its name, so none writes into it first.
     t0 = time.perf_counter()
-    if main:
+    tmp = None
+    if distributed.is_main():
+      tmp = f"{final}.tmp-{os.getpid()}"
       shutil.rmtree(tmp, ignore_errors=True)    # a crashed earlier attempt
       os.makedirs(self.directory, exist_ok=True)
+    tmp = distributed.share_from_main(tmp)
     model = nnx.merge(self.graphdef, params)
-    hf_io.save_hf(model, tmp, dtype=self.cfg.dtype)
+    hf_io.save_hf(model, tmp, dtype=self.cfg.dtype, parallel=True)
     self.last = distributed.on_main(lambda: self._serve(tmp, final, version, t0),
                                     f"weight sync {version}")
     self.version = version
