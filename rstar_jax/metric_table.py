@@ -34,7 +34,7 @@ FILES: dict[str, tuple[str, str]] = {
 # The test runs that write the keys, by the short name `Metric.run` uses. Each one's test
 # checks that its files hold every entry that names it.
 RUNS: dict[str, str] = {
-    "recipe": "tests/test_recipe.py: the smoke recipe (SFT, two RL steps, both evaluations)",
+    "recipe": "tests/test_recipe.py: the smoke recipe (SFT, two RL steps, the final evaluation)",
     "kl": "tests/test_recipe.py: the smoke RL stage with a KL term to the stage's start",
     "async": "tests/rl/test_async_rollouts.py: an RL stage under max_staleness 1",
     "decoupled": "tests/rl/test_async_rollouts.py: the same under the decoupled objective",
@@ -316,3 +316,21 @@ def flat_keys(obj: Any, prefix: str = "") -> set[str]:
 def row_keys(rows: Iterable[Mapping[str, Any]]) -> set[str]:
   """Every key of a metrics file's rows (JSONL: one flat object per step)."""
   return {k for r in rows for k in r}
+
+
+def problems(keys_by_file: Mapping[str, Iterable[str]], run: str) -> list[str]:
+  """What a test run's files say against the table, one line each: a key no entry
+  describes (by name), and an entry naming `run` whose key none of the files holds.
+  `keys_by_file`: a key of FILES -> the keys its files hold (`row_keys`, `flat_keys`)."""
+  if run not in RUNS:
+    raise ValueError(f"unknown run {run!r}; runs: {sorted(RUNS)}")
+  out = []
+  seen: dict[str, set[str]] = {}
+  for file, keys in keys_by_file.items():
+    keys = set(keys)
+    out += [f"{file}: {k!r} is written but has no entry in rstar_jax/metric_table.py"
+            for k in unknown(keys, file)]
+    seen[file] = entries_of(keys, file)
+  out += [f"{m.file}: entry {m.name!r} names run {run!r}, whose files do not hold it"
+          for m in METRICS if m.run == run and m.name not in seen.get(m.file, set())]
+  return out
