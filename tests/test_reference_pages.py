@@ -18,7 +18,6 @@ import types
 import typing
 
 import numpy as np
-import pytest
 
 from rstar_jax import metric_table
 from rstar_jax.model import config as model_config
