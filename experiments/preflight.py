@@ -58,13 +58,12 @@ import math
 import sys
 from typing import Any, Sequence
 
-GB = 1e9
+from rstar_jax.recipe import preflight_checks as pc   # the pure checks the recipe runs too
+
 # HBM per device as vendors quote it (MI300X 192 GB, H100 SXM 80 GB, H200 141 GB), compared
 # with 1e9-byte GB: below what the runtimes report as total, so "fits" errs on the safe side.
 # experiments/plan_memory.py reads it from here (this module imports nothing heavy).
 ACCELERATORS: dict[str, float] = {"MI300X": 192.0, "H100": 80.0, "H200": 141.0}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-HTTP_BACKENDS = ("sglang", "server")
 
 
 # ---- the layout ------------------------------------------------------------------------
@@ -119,7 +118,7 @@ class Layout:
 
   @property
   def hbm_bytes(self) -> float:
-    return ACCELERATORS[self.accelerator] * GB
+    return ACCELERATORS[self.accelerator] * pc.GB
 
   @property
   def trainer_devices(self) -> int:
@@ -158,146 +157,6 @@ def shell_layout(layout: Layout, max_len: int) -> str:
                 TRAINER_MEM_FRACTION=f"{layout.trainer_mem_fraction:g}",
                 SGLANG_LAYOUT_ARGS="'" + " ".join(sglang_args(layout, max_len)) + "'")
   return "\n".join(f"{k}={v}" for k, v in values.items())
-
-
-# ---- bytes from shapes (pure: no jax) ---------------------------------------------------
-def kv_bytes_per_token(cfg, dtype: str = "bfloat16") -> int:
-  """K and V of every layer for one token: 2 x layers x kv heads x head dim x bytes."""
-  return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-          * DTYPE_BYTES[dtype])
-
-
-def weight_bytes(cfg, dtype: str) -> int:
-  return cfg.num_params * DTYPE_BYTES[dtype]
-
-
-def optimizer_bytes(cfg) -> int:
-  """AdamW's two float32 moments (optax keeps them in the params' dtype: float32 here)."""
-  return 2 * cfg.num_params * 4
-
-
-def checkpoint_bytes(cfg, param_dtype: str = "float32") -> int:
-  """The orbax train state: parameters and AdamW's moments (the step counter aside)."""
-  return weight_bytes(cfg, param_dtype) + optimizer_bytes(cfg)
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """One reason a layout does not fit: the field to change, what is wrong, the fix."""
-  field: str
-  message: str
-
-  def __str__(self) -> str:
-    return f"{self.field}: {self.message}"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutMemory:
-  """Memory of one rollout server (SGLang) or of the device holding the JaxEngines."""
-  backend: str
-  device_bytes: float        # HBM of the server's GPUs (all of them) or the one device
-  usable_bytes: float        # what the server / the trainer process may allocate
-  weight_bytes: float        # weights held for generation (0: the trainer's, shared)
-  resident_bytes: float      # other memory on that device (the train state: jax backend)
-  kv_bytes: float            # the KV cache / token pool
-  kv_tokens: int             # tokens it holds
-  max_len: int               # tokens one trajectory may reach
-
-  @property
-  def concurrent(self) -> int:
-    """Full-length trajectories the cache holds at once."""
-    return self.kv_tokens // self.max_len
-
-  @property
-  def total_bytes(self) -> float:
-    return self.weight_bytes + self.resident_bytes + self.kv_bytes
-
-
-def jax_engine_memory(cfg, *, num_slots: int, max_len: int, num_engines: int = 1,
-                      cache_dtype: str = "bfloat16", device_bytes: float,
-                      usable_fraction: float = 0.9, resident_bytes: float = 0.0,
-                      weight_bytes_held: float = 0.0) -> RolloutMemory:
-  """The JaxEngines' KV caches: [num_slots, max_len] per layer for K and V, each engine
-  its own, created unsharded on one device (the engines read the trainer's parameters:
-  `resident_bytes` is what the trainer keeps on that device)."""
-  tokens = num_engines * num_slots * max_len
-  return RolloutMemory(backend="jax", device_bytes=device_bytes,
-                       usable_bytes=device_bytes * usable_fraction,
-                       weight_bytes=weight_bytes_held, resident_bytes=resident_bytes,
-                       kv_bytes=tokens * kv_bytes_per_token(cfg, cache_dtype),
-                       kv_tokens=tokens, max_len=max_len)
-
-
-def sglang_server_memory(cfg, *, device_bytes: float, gpus_per_server: int = 1,
-                         mem_fraction: float = 0.85, max_len: int,
-                         weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16"
-                         ) -> RolloutMemory:
-  """One SGLang server: it allocates mem_fraction of its GPUs' memory for the weights
-  and a KV token pool, and the pool is what is left of that after the weights (SGLang
-  measures the free memory at start; HBM x fraction is the nominal figure)."""
-  total = device_bytes * gpus_per_server
-  static = total * mem_fraction
-  weights = weight_bytes(cfg, weight_dtype)
-  kv = max(0.0, static - weights)
-  return RolloutMemory(backend="sglang", device_bytes=total, usable_bytes=static,
-                       weight_bytes=weights, resident_bytes=0.0, kv_bytes=kv,
-                       kv_tokens=int(kv // kv_bytes_per_token(cfg, kv_dtype)),
-                       max_len=max_len)
-
-
-def rollout_problems(mem: RolloutMemory, *, backend: str = "") -> list[Problem]:
-  """Why a rollout memory does not fit, naming the field and the fix ([] if it fits)."""
-  out = []
-  per_slot = mem.kv_bytes / max(1, mem.kv_tokens) * mem.max_len
-  if mem.backend == "jax":
-    if mem.total_bytes > mem.usable_bytes:
-      room = mem.usable_bytes - mem.weight_bytes - mem.resident_bytes
-      fit = max(0, int(room // per_slot)) if per_slot else 0
-      out.append(Problem(
-          "rollout.engine.num_slots",
-          f"the JaxEngine KV cache ({mem.kv_tokens:,} tokens: {mem.kv_bytes / GB:.1f} GB) "
-          f"and {(mem.weight_bytes + mem.resident_bytes) / GB:.1f} GB of the trainer's "
-          f"on one device need {mem.total_bytes / GB:.1f} GB > "
-          f"{mem.usable_bytes / GB:.1f} GB usable of {mem.device_bytes / GB:.0f}; fix: "
-          + (f"at most {fit} slot(s) of rollout.engine.max_len={mem.max_len} in all"
-             if fit else "no slot of this max_len fits")
-          + ", or rollout.backend=sglang (servers on GPUs of their own)"))
-  else:
-    if mem.weight_bytes >= mem.usable_bytes:
-      out.append(Problem(
-          "layout.gpus_per_server",
-          f"SGLang weights {mem.weight_bytes / GB:.1f} GB do not fit its static memory "
-          f"{mem.usable_bytes / GB:.1f} GB; fix: more GPUs per server (--tp-size) or a "
-          f"higher layout.sglang_mem_fraction"))
-    elif mem.concurrent < 1:
-      out.append(Problem(
-          "layout.sglang_mem_fraction",
-          f"SGLang's token pool holds {mem.kv_tokens:,} tokens < one trajectory of "
-          f"rollout.engine.max_len={mem.max_len}; fix: raise sglang_mem_fraction, add "
-          f"GPUs per server, or lower rollout.engine.max_len"))
-  return out
-
-
-def check_rollout_memory(model_cfg, rollout_cfg, *, device_bytes: float,
-                         usable_fraction: float = 0.9, sglang_mem_fraction: float = 0.85,
-                         gpus_per_server: int = 1, trainer_resident_bytes: float = 0.0
-                         ) -> list[Problem]:
-  """The rollout-memory check from a Qwen3Config and a RolloutConfig, cheap and pure:
-  what the recipe could call at start, with the local device's memory (for the jax
-  backend, `trainer_resident_bytes` = the train state on device 0)."""
-  if rollout_cfg.backend in HTTP_BACKENDS:
-    mem = sglang_server_memory(model_cfg, device_bytes=device_bytes,
-                               gpus_per_server=gpus_per_server,
-                               mem_fraction=sglang_mem_fraction,
-                               max_len=rollout_cfg.engine.max_len)
-  else:
-    eng = rollout_cfg.engine
-    mem = jax_engine_memory(model_cfg, num_slots=eng.num_slots, max_len=eng.max_len,
-                            num_engines=rollout_cfg.num_engines,
-                            cache_dtype=eng.cache_dtype or model_cfg.dtype,
-                            device_bytes=device_bytes, usable_fraction=usable_fraction,
-                            resident_bytes=trainer_resident_bytes)
-  return rollout_problems(mem)
 
 
 # ---- the run's shapes --------------------------------------------------------------------
@@ -380,7 +239,7 @@ def train_shapes(rc, batch_shards: int, kl_probe: float = 1e-3) -> list[TrainSha
 
 # ---- the report ----------------------------------------------------------------------------
 def _gb(x: float) -> str:
-  return f"{x / GB:.1f} GB"
+  return f"{x / pc.GB:.1f} GB"
 
 
 def _load_sections(config) -> Any:
@@ -393,7 +252,7 @@ def _load_sections(config) -> Any:
   from rstar_jax.rollout import backends
 
   rollout = cu.to_dict(config.rollout)
-  if rollout.get("backend") in HTTP_BACKENDS and not rollout.get("servers"):
+  if rollout.get("backend") in pc.HTTP_BACKENDS and not rollout.get("servers"):
     # The servers' URLs are made at launch (the batch script, launch_cluster): a stand-in.
     rollout["servers"] = ("http://launch.invalid:30000",)
   built = dict(
@@ -406,26 +265,23 @@ def _load_sections(config) -> Any:
 
 
 def model_config_of(config, preset: str):
-  """The architecture: the config's model.preset, else `preset` (model.hf_dir is given
-  on the real command line; its config.json is that preset's for Qwen3-14B-Base)."""
-  from rstar_jax.model import config as model_config
-  m = config.model
-  runtime = {k: m[k] for k in model_config.RUNTIME_FIELDS if m.get(k) is not None}
-  if runtime.get("attention_impl") == "auto":
-    runtime["attention_impl"] = "chunked"
-  return model_config.get_preset(m.get("preset") or preset, **runtime)
+  """The architecture as the recipe builds it: the config.json of model.hf_dir when it
+  holds one, else model.preset (or `preset` when the config names none: model.hf_dir is
+  given on the real command line; its config.json is that preset's for Qwen3-14B-Base),
+  with every architecture field the config's model section overrides."""
+  return pc.model_architecture(config.model, preset)
 
 
-def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[Problem], dict]:
+def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[pc.Problem], dict]:
   """Everything but the compile: the mesh against the layout, multi-host rollouts, the
   rollout memory, the micro-batch split. Returns (problems, figures)."""
-  problems: list[Problem] = []
+  problems: list[pc.Problem] = []
   mesh = sections.mesh
   sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
   n = layout.trainer_devices
   if not mesh.enabled:
     if n > 1:
-      problems.append(Problem("mesh.enabled", f"False, but the layout trains on {n} devices "
+      problems.append(pc.Problem("mesh.enabled", f"False, but the layout trains on {n} devices "
                               f"({layout.trainer_nodes} nodes x {layout.gpus_per_node}); fix: "
                               "mesh.enabled=True with data x fsdp x tensor = " + str(n)))
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
@@ -434,24 +290,24 @@ def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[Problem], di
     if -1 in sizes.values():   # the axis that takes the rest (1 if nothing is left)
       sizes = {k: (max(1, n // fixed) if v == -1 else v) for k, v in sizes.items()}
     if math.prod(sizes.values()) != n:
-      problems.append(Problem("mesh.fsdp", f"mesh {sizes} is {math.prod(sizes.values())} "
+      problems.append(pc.Problem("mesh.fsdp", f"mesh {sizes} is {math.prod(sizes.values())} "
                               f"devices but the layout trains on {n} "
                               f"(layout.trainer_nodes x gpus_per_node); fix: data x fsdp x "
                               f"tensor = {n}"))
     if sizes["tensor"] > layout.gpus_per_node or layout.gpus_per_node % sizes["tensor"]:
-      problems.append(Problem("mesh.tensor", f"{sizes['tensor']} does not divide a node's "
+      problems.append(pc.Problem("mesh.tensor", f"{sizes['tensor']} does not divide a node's "
                               f"{layout.gpus_per_node} GPUs: tensor-parallel traffic would "
                               "cross nodes; fix: a divisor of gpus_per_node"))
     if model_cfg.num_key_value_heads % sizes["tensor"]:
-      problems.append(Problem("mesh.tensor", f"{sizes['tensor']} does not divide the "
+      problems.append(pc.Problem("mesh.tensor", f"{sizes['tensor']} does not divide the "
                               f"{model_cfg.num_key_value_heads} KV heads"))
   rollout = sections.rollout
   if rollout.backend == "jax" and layout.trainer_nodes > 1:
-    problems.append(Problem("rollout.backend", f"'jax' generates in the trainer process; a "
+    problems.append(pc.Problem("rollout.backend", f"'jax' generates in the trainer process; a "
                             f"run of {layout.trainer_nodes} trainer processes refuses it "
                             "(process 0 drives rollouts through servers); fix: "
                             "rollout.backend=sglang with the layout's servers"))
-  state_per_device = (checkpoint_bytes(model_cfg, model_cfg.param_dtype)
+  state_per_device = (pc.checkpoint_bytes(model_cfg, model_cfg.param_dtype)
                       / math.prod(sizes.values()))
   shards = sizes["data"] * sizes["fsdp"]
   shapes = train_shapes(sections, shards)
@@ -462,26 +318,26 @@ def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[Problem], di
   stash = max((2 * model_cfg.num_hidden_layers * s.micro_batch * s.seq_len
                * model_cfg.hidden_size for s in shapes), default=0)
   eng = rollout.engine
-  if rollout.backend in HTTP_BACKENDS:
-    rmem = sglang_server_memory(model_cfg, device_bytes=layout.hbm_bytes,
+  if rollout.backend in pc.HTTP_BACKENDS:
+    rmem = pc.sglang_server_memory(model_cfg, device_bytes=layout.hbm_bytes,
                                 gpus_per_server=layout.gpus_per_server,
                                 mem_fraction=layout.sglang_mem_fraction, max_len=eng.max_len)
     servers = layout.rollout_servers
     if servers < 1:
-      problems.append(Problem("layout.servers_per_node", "no rollout server in the layout "
+      problems.append(pc.Problem("layout.servers_per_node", "no rollout server in the layout "
                               "(no rollout node or servers_per_node=0)"))
   else:
-    rmem = jax_engine_memory(model_cfg, num_slots=eng.num_slots, max_len=eng.max_len,
+    rmem = pc.jax_engine_memory(model_cfg, num_slots=eng.num_slots, max_len=eng.max_len,
                              num_engines=rollout.num_engines,
                              cache_dtype=eng.cache_dtype or model_cfg.dtype,
                              device_bytes=layout.hbm_bytes,
                              usable_fraction=layout.trainer_mem_fraction,
                              resident_bytes=state_per_device + stash)
     servers = rollout.num_engines
-  problems += rollout_problems(rmem)
+  problems += pc.rollout_problems(rmem)
   for s in shapes:
     if s.micro_batches * shards > s.rows:
-      problems.append(Problem(s.field, f"{s.micro_batches} micro-batches x {shards} batch "
+      problems.append(pc.Problem(s.field, f"{s.micro_batches} micro-batches x {shards} batch "
                               f"shards > {s.rows} rows a step ({s.label}): micro-batches of "
                               f"padding; fix: at most {max(1, s.rows // shards)}"))
   return problems, dict(sizes=sizes, state_per_device=state_per_device, rollout=rmem,
@@ -517,7 +373,7 @@ def gpu_estimate(est, model_cfg) -> float:
 
 def report(sections, model_cfg, layout: Layout, checks: dict, *, plans, decode_tps: float,
            mean_fill: float, storage_gbps: Sequence[float], faults_per_week: float,
-           step_s: float) -> tuple[list[str], list[Problem]]:
+           step_s: float) -> tuple[list[str], list[pc.Problem]]:
   """The printed lines and the trainer's problems (from the plans)."""
   lines, problems = [], []
   sizes, rmem, servers = checks["sizes"], checks["rollout"], checks["servers"]
@@ -531,9 +387,10 @@ def report(sections, model_cfg, layout: Layout, checks: dict, *, plans, decode_t
                f"{layout.sandbox_servers} servers x {layout.sandbox_children} children on the "
                f"trainer nodes' CPUs")
   p = model_cfg.num_params
-  lines.append(f"model: {p / 1e9:.2f}B params; weights {_gb(weight_bytes(model_cfg, 'bfloat16'))}"
-               f" bf16, {_gb(weight_bytes(model_cfg, 'float32'))} f32; AdamW moments "
-               f"{_gb(optimizer_bytes(model_cfg))}; KV {kv_bytes_per_token(model_cfg):,} "
+  lines.append(f"model: {p / 1e9:.2f}B params; weights "
+               f"{_gb(pc.weight_bytes(model_cfg, 'bfloat16'))}"
+               f" bf16, {_gb(pc.weight_bytes(model_cfg, 'float32'))} f32; AdamW moments "
+               f"{_gb(pc.optimizer_bytes(model_cfg))}; KV {pc.kv_bytes_per_token(model_cfg):,} "
                f"bytes/token bf16; train state {_gb(checks['state_per_device'])}/device")
   # Trainer.
   lines.append(f"trainer (XLA:CPU plan per device; usable {_gb(usable)} = "
@@ -543,13 +400,13 @@ def report(sections, model_cfg, layout: Layout, checks: dict, *, plans, decode_t
   for s, est in plans:
     ok = est.peak_bytes <= usable
     lines.append(f"  {s.name:<20}{s.seq_len:>6}{s.rows:>6}{s.micro_batches:>5}"
-                 f"{s.micro_batch:>4}{s.kl_coef:>7g}{est.state_bytes / GB:>8.1f}"
-                 f"{est.temp_bytes / GB:>8.1f}{est.reference_bytes / GB:>7.1f}"
-                 f"{est.peak_bytes / GB:>8.1f}{gpu_estimate(est, model_cfg) / GB:>9.1f}  "
+                 f"{s.micro_batch:>4}{s.kl_coef:>7g}{est.state_bytes / pc.GB:>8.1f}"
+                 f"{est.temp_bytes / pc.GB:>8.1f}{est.reference_bytes / pc.GB:>7.1f}"
+                 f"{est.peak_bytes / pc.GB:>8.1f}{gpu_estimate(est, model_cfg) / pc.GB:>9.1f}  "
                  f"{'yes' if ok else 'NO'}")
     if not ok and not s.tag:
       need = s.micro_batches * _pow2_at_least(math.ceil(est.peak_bytes / usable))
-      problems.append(Problem(s.field, f"{s.name}: peak {_gb(est.peak_bytes)} > usable "
+      problems.append(pc.Problem(s.field, f"{s.name}: peak {_gb(est.peak_bytes)} > usable "
                               f"{_gb(usable)} per {layout.accelerator} at {s.micro_batch} "
                               f"sequence(s) of {s.seq_len} per micro-batch per shard; fix: "
                               f"{s.field}={need} or more (fewer sequences per micro-batch)"))
@@ -590,20 +447,21 @@ def report(sections, model_cfg, layout: Layout, checks: dict, *, plans, decode_t
                  f"{mean_fill:g} of the budget")
   # Weight sync and checkpoints.
   wdt = sections.rollout.weight_sync.dtype
-  wb = weight_bytes(model_cfg, wdt)
+  wb = pc.weight_bytes(model_cfg, wdt)
   if rmem.backend == "sglang":
     lines.append(f"weight sync a step: {_gb(wb)} ({wdt}) written by trainer process 0, read by "
                  f"{servers} servers ({_gb(wb * servers)}); write + read at" + ";".join(
-                     f" {bw:g} GB/s: {wb / (bw * GB):.0f} s + {wb * servers / (bw * GB):.0f} s"
+                     f" {bw:g} GB/s: {wb / (bw * pc.GB):.0f} s + "
+                     f"{wb * servers / (bw * pc.GB):.0f} s"
                      for bw in storage_gbps))
   else:
     lines.append("weight sync a step: none (the in-process engines read the trainer's "
                  "parameters)")
-  cb = checkpoint_bytes(model_cfg, model_cfg.param_dtype)
+  cb = pc.checkpoint_bytes(model_cfg, model_cfg.param_dtype)
   every = rl.checkpoint_every
   parts = []
   for bw in storage_gbps:
-    c = cb / (bw * GB)
+    c = cb / (bw * pc.GB)
     mtbf = 7 * 24 * 3600 / faults_per_week
     tau = math.sqrt(2 * mtbf * c)
     parts.append(f" {bw:g} GB/s: write {c:.0f} s ({c / (every * step_s):.1%} of "
@@ -663,7 +521,7 @@ def main(argv: Sequence[str]) -> None:
                                resident_bytes=max(est.peak_bytes for sh, est in plans if not sh.tag))
     checks["rollout"] = rmem
     problems = [p for p in problems if p.field != "rollout.engine.num_slots"]
-    problems += rollout_problems(rmem)
+    problems += pc.rollout_problems(rmem)
   lines, more = report(sections, model_cfg, layout, checks, plans=plans,
                        decode_tps=FLAGS.decode_tokens_per_s, mean_fill=FLAGS.mean_fill,
                        storage_gbps=[float(x) for x in FLAGS.storage_gbps],

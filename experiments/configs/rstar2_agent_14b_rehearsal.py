@@ -25,7 +25,6 @@ from experiments.configs import rstar2_agent_14b as base
 from experiments.configs import toy
 from experiments import preflight
 from rstar_jax import config_utils as cu
-from rstar_jax.recipe import cluster
 
 # The 14B layout with one server per rollout node, each holding the node's 8 devices.
 LAYOUT = dict(base.LAYOUT, servers_per_node=1, gpus_per_server=8, sandbox_children=4)
@@ -61,10 +60,7 @@ def get_config(variant: str = ""):
   c.chat = smoke.chat
   c.data = smoke.data
   if variant == "sft":
-    c.tokenizer = smoke.tokenizer
-    # SFT generates nothing, but RolloutConfig refuses backend "sglang" without servers
-    # (and a multi-process run refuses "jax"): a name that is never contacted.
-    c.rollout.servers = ("http://sft-generates-nothing.invalid:30000",)
+    c.tokenizer = smoke.tokenizer   # SFT generates nothing: no rollout.servers needed
   else:
     c.tokenizer.kind = "hf"     # the SFT export's (--config.tokenizer.path, given at launch)
   c.tools.update(local_max_children=2, timeout_s=5.0)

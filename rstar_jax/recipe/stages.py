@@ -32,6 +32,7 @@ from rstar_jax.eval import metrics as eval_metrics
 from rstar_jax.eval import suite as eval_suite
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io, qwen3
+from rstar_jax.recipe import preflight_checks
 from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import agent_loop, backends, chat
@@ -161,11 +162,50 @@ class RecipeConfig:
                        f" does not fit rollout.engine.max_len={max_len}")
 
 
-def build_config(config) -> RecipeConfig:
-  """The checked RecipeConfig of a config section (ConfigDict or dict)."""
+def build_config(config, stages: Sequence[str] | None = None) -> RecipeConfig:
+  """The checked RecipeConfig of a config section (ConfigDict or dict). With `stages`
+  (the run's), a run that generates nothing (`generates`) needs no rollout servers: an
+  HTTP backend without `rollout.servers` gets NO_SERVERS, which nothing contacts."""
   if isinstance(config, RecipeConfig):
     return config
+  if stages is not None:
+    rollout = _section(config, "rollout")
+    if (rollout.get("backend") in preflight_checks.HTTP_BACKENDS
+        and not rollout.get("servers") and not rollout.get("servers_file")
+        and not generates(config, stages)):
+      config = config_utils.to_dict(config)
+      config["rollout"] = dict(config_utils.to_dict(config["rollout"]), servers=NO_SERVERS)
   return config_utils.build(RecipeConfig, config, "config")
+
+
+# The servers of a run that generates nothing (SFT without its evaluation): a name that
+# never resolves (RFC 2606 .invalid). rollout.servers is a launch key, so the RL run that
+# follows on the same work directory with the real URLs is not a config change.
+NO_SERVERS = ("http://no-rollouts-in-this-run.invalid",)
+
+
+def _section(config, name: str) -> dict:
+  if isinstance(config, RecipeConfig):
+    return dataclasses.asdict(getattr(config, name))
+  value = config.get(name) if hasattr(config, "get") else None
+  return config_utils.to_dict(value) if value is not None else {}
+
+
+def generates(config, stages: Sequence[str] | None) -> bool:
+  """Whether a run of `stages` (None: all) builds rollout engines: an RL stage with
+  steps, the final evaluation, or SFT's evaluation (eval.after_sft). `config` is a
+  RecipeConfig or its section (ConfigDict or dict; a missing key is the default)."""
+  wanted = set(stages or ALL_STAGES)
+  if "eval" in wanted:
+    return True
+  for name in RL_STAGES:
+    if name in wanted and _section(config, name).get("num_steps", RLStage.num_steps) > 0:
+      return True
+  if "sft" in wanted:
+    sft, ev = _section(config, "sft"), _section(config, "eval")
+    return bool(sft.get("enabled", SFTStage.enabled) and ev.get("after_sft",
+                                                                 EvalStage.after_sft))
+  return False
 
 
 def resolved_json(cfg: RecipeConfig) -> str:
@@ -746,6 +786,46 @@ def start_distributed(cfg: RecipeConfig) -> None:
         "need the whole model on process 0)")
 
 
+def local_device_memory() -> tuple[float, float, str]:
+  """(bytes, usable share, what) of this process's first device: an accelerator's
+  allocator limit (XLA_PYTHON_CLIENT_MEM_FRACTION already applied: all of it usable), or,
+  on a CPU, the host's memory, 0.9 of it usable (the OS and the rest of the process)."""
+  import jax
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return float(stats["bytes_limit"]), 1.0, f"{dev.device_kind}'s allocator limit"
+  ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  return ram, 0.9, "the host's memory (CPU devices)"
+
+
+def check_rollout_memory(cfg: RecipeConfig) -> None:
+  """The cheap part of `experiments.preflight`, run at start: the in-process engines'
+  KV cache (rollout.backend="jax": created whole on this process's first device, beside
+  the train state) against that device's memory, from the config's architecture alone
+  (model.hf_dir's config.json, or the preset with its overrides): a cache that cannot
+  fit is a ConfigError naming the field, the bytes and the fix, before any weights
+  load or engine is built. Rollout servers hold their own caches (not checked here:
+  `python -m experiments.preflight` checks a layout's)."""
+  if cfg.rollout.backend != "jax":
+    return
+  arch = preflight_checks.model_architecture(cfg.model)
+  device_bytes, usable, what = local_device_memory()
+  # The train state's share of this device (parameters and AdamW's moments over the
+  # mesh): a floor of what the trainer keeps beside the cache.
+  devices = cfg.mesh.make().size if cfg.mesh.enabled else 1
+  resident = preflight_checks.checkpoint_bytes(arch, arch.param_dtype) / max(1, devices)
+  problems = preflight_checks.check_rollout_memory(
+      arch, cfg.rollout, device_bytes=device_bytes, usable_fraction=usable,
+      trainer_resident_bytes=resident)
+  if problems:
+    raise config_utils.ConfigError(
+        "; ".join(map(str, problems)) + f" (device memory: {what}, "
+        f"{device_bytes / preflight_checks.GB:.1f} GB; the trainer's state "
+        f"{resident / preflight_checks.GB:.1f} GB of it; python -m experiments.preflight "
+        "checks a layout before launch)")
+
+
 def _tools(cfg: RecipeConfig):
   """The tool executor; tools run where rollouts are generated, on process 0."""
   if distributed.is_main():
@@ -773,8 +853,8 @@ def _check_files(cfg: RecipeConfig) -> None:
 
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
-  cfg = build_config(config)
   _check_stages(stages)   # before the workdir and config.json are written
+  cfg = build_config(config, stages or ALL_STAGES)
   _check_files(cfg)
   hf_dir = cfg.model.hf_dir
   if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -782,6 +862,8 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
                                    "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
+  if generates(cfg, stages):
+    check_rollout_memory(cfg)
   if distributed.is_main():   # a sandbox that cannot start here: said before any work
     tools_lib.check_local_sandbox(cfg.tools)
   with workdir_lock(_make_workdir(cfg.workdir)):
