@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from rstar_jax import sharding
 from rstar_jax.model import blockwise_attention
+from rstar_jax.model import decode_attention
 from rstar_jax.model.config import Qwen3Config
 
 Cache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B, Nkv, D, S], "v": L x [B, Nkv, S, D]}
@@ -130,10 +131,11 @@ def resolve_attention_impl(impl: str, dtype, *, cached: bool = False) -> str:
   faster than "chunked" at 8192 tokens (derived from two runs, experiments/results/device/
   2026-11-27_h100.json and 2026-11-27_h100_4layers.json); the two compute the same function. Over a KV cache
   (prefill and decode) "auto" is "chunked": the path the device check measured for
-  the engine; cuDNN over a cache has not run on a GPU yet. Any other value is
-  returned as it is."""
+  the engine; cuDNN over a cache has not run on a GPU yet. "dot_product_lengths"
+  over a cache is "dot_product" (a cache row's filled length is its query's
+  position, not a run of segment ids). Any other value is returned as it is."""
   if impl != "auto":
-    return impl
+    return "dot_product" if cached and impl == "dot_product_lengths" else impl
   if cached:
     return "chunked"
   return "dot_product" if fused_attention_backend(dtype) == "cudnn" else "chunked"
@@ -171,23 +173,64 @@ def fused_attention_backend(dtype) -> str:
   return "cudnn" if cuda else "xla"
 
 
+def single_sequence_lengths(segment_ids: jax.Array, positions: jax.Array
+                            ) -> tuple[jax.Array, jax.Array]:
+  """(lengths [B] int32, ok: bool scalar) of training rows [B, T].
+
+  ok: every row is ONE sequence from index 0 (one nonzero segment id) with positions
+  0, 1, ... on it, then padding (id 0): the RL batch's rows (rl/batching.py). Then the
+  training mask is exactly "causal, keys and queries below the row's length", which
+  cuDNN takes as sequence lengths instead of a [B, T, S] mask. A row of padding only
+  has length 1, not 0: its one "token" attends itself (its outputs are never read),
+  so no kernel meets an empty sequence."""
+  t = segment_ids.shape[1]
+  idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+  filled = segment_ids != 0
+  lengths = filled.sum(axis=1, dtype=jnp.int32)
+  ok = (jnp.all(filled == (idx < lengths[:, None]))
+        & jnp.all(jnp.where(filled, segment_ids == segment_ids[:, :1], True))
+        & jnp.all(jnp.where(filled, positions == idx, True)))
+  return jnp.maximum(lengths, 1), ok
+
+
 def dot_product_attention(q, k, v, mask, causal: bool = False,
-                          implementation: str | None = None):
+                          implementation: str | None = None, seq_lengths=None):
   """`jax.nn.dot_product_attention` with our boolean mask [B, T, S].
 
   causal: the mask is a subset of the index-causal one (training: queries and keys
   are the same positions), so the kernel may skip the upper triangle as well; the
   mask (padding, packed segments) still applies, as a bias inside the fused kernel.
   implementation: None chooses with `fused_attention_backend`.
+  seq_lengths: optional (lengths [B], ok) from `single_sequence_lengths`, with
+  causal=True: where ok (at run time), the kernel gets the rows' lengths instead of
+  the mask, and cuDNN runs its padding-aware causal kernel (no [B, T, S] bias read);
+  otherwise (packed rows) the mask, as without. The two agree on every real token;
+  padding queries differ (zeros here, the mean of the values there), and no real
+  token reads them.
   """
   impl = implementation or fused_attention_backend(q.dtype)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :],
-                                      scale=q.shape[-1] ** -0.5, is_causal=causal,
-                                      implementation=impl)
+  scale = q.shape[-1] ** -0.5
+
+  def with_mask():
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, :, :], scale=scale,
+                                        is_causal=causal, implementation=impl)
+  if seq_lengths is None:
+    return with_mask()
+  if not causal:
+    raise ValueError("dot_product_attention: seq_lengths describe causal training rows; "
+                     "call it with causal=True")
+  lengths, ok = seq_lengths
+
+  def with_lengths():
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        query_seq_lengths=lengths,
+                                        key_value_seq_lengths=lengths, implementation=impl)
+  # Decided per batch at run time: the program serves RL rows and packed SFT rows alike.
+  return jax.lax.cond(ok, with_lengths, with_mask)
 
 
 def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024, cache_layout: bool = False,
-              causal: bool = False):
+              causal: bool = False, seq_lengths=None):
   """Dispatches to full, query-chunked, blockwise or fused attention (same result).
 
   "chunked" materialises scores for `chunk` queries at a time and recomputes them
@@ -199,12 +242,16 @@ def attention(q, k, v, mask, impl: str = "xla", chunk: int = 1024, cache_layout:
   the causal upper triangle in query blocks of `chunk` and saves no probabilities for
   the backward pass; it needs a training mask (no cache). causal: see
   `dot_product_attention` (the training path sets it; the cache path does not).
+  "dot_product_lengths" is "dot_product" given `seq_lengths` (from
+  `single_sequence_lengths`): rows of one sequence plus padding reach the kernel as
+  lengths, not as a mask.
   """
   impl = resolve_attention_impl(impl, q.dtype)
   if impl == "blockwise":
     return blockwise_attention.blockwise_attention(q, k, v, mask, chunk)
-  if impl == "dot_product":
-    return dot_product_attention(q, k, v, mask, causal=causal)
+  if impl in ("dot_product", "dot_product_lengths"):
+    return dot_product_attention(q, k, v, mask, causal=causal,
+                                 seq_lengths=seq_lengths if impl == "dot_product_lengths" else None)
   t = q.shape[1]
   if impl == "xla" or t <= chunk:
     return _attend(q, k, v, mask, cache_layout)
@@ -284,12 +331,14 @@ class DecoderLayer(nnx.Module):
     self.up_proj = _param(rngs, L + (h, i), la + ("embed", "mlp"), cfg)
     self.down_proj = _param(rngs, L + (i, h), la + ("mlp", "embed"), cfg)
 
-  def __call__(self, x, positions, mask, cfg: Qwen3Config, kv=None, write_index=None):
+  def __call__(self, x, positions, mask, cfg: Qwen3Config, kv=None, write_index=None,
+               seq_lengths=None):
     """Applies ONE layer (called on a per-layer slice of the stacked state).
 
     kv: optional (k_cache [B, Nkv, D, S], v_cache [B, Nkv, S, D]) of this layer; k/v of the new
     tokens are written at `write_index` [B, T] and attention runs over the first
-    mask.shape[-1] slots of the cache.
+    mask.shape[-1] slots of the cache. seq_lengths: training rows' lengths for
+    attention_impl "dot_product_lengths" (`single_sequence_lengths`).
     """
     dt = jnp.dtype(cfg.dtype)
     cn = checkpoint_name
@@ -304,7 +353,8 @@ class DecoderLayer(nnx.Module):
     k = rope(rms_norm(k, self.k_norm[...], cfg.rms_norm_eps), positions, cfg.rope_theta)
     new_kv = None
     if kv is None:
-      a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk, causal=True)
+      a = attention(q, k, v, mask, cfg.attention_impl, cfg.attention_chunk, causal=True,
+                    seq_lengths=seq_lengths)
     else:
       k_cache, v_cache = kv
       b_idx = jnp.arange(x.shape[0])[:, None]
@@ -316,8 +366,11 @@ class DecoderLayer(nnx.Module):
       # The first mask.shape[-1] slots only (the caller's length bucket: a decode
       # step need not read the unfilled end of every slot).
       n = mask.shape[-1]
-      a = cached_attention(q, k_cache[..., :n].astype(dt), v_cache[:, :, :n].astype(dt), mask,
-                           cfg.attention_impl, cfg.attention_chunk)
+      if cfg.decode_attention_impl == "pallas" and q.shape[1] == 1:
+        a = _ragged_decode(q, k_cache, v_cache, write_index[:, 0], n)
+      else:
+        a = cached_attention(q, k_cache[..., :n].astype(dt), v_cache[:, :, :n].astype(dt),
+                             mask, cfg.attention_impl, cfg.attention_chunk)
     a = cn(a, "context")   # the attention output, before the output projection
     a = cn(jnp.einsum("btnd,ndh->bth", a, w(self.o_proj)), "out_proj")
     x = x + a
@@ -326,6 +379,18 @@ class DecoderLayer(nnx.Module):
     x = x + cn(swiglu_mlp(h, w(self.gate_proj), w(self.up_proj), w(self.down_proj)), "mlp_out")
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
     return x, new_kv
+
+
+def _ragged_decode(q, k_cache, v_cache, position, n):
+  """A decode step's attention with decode_attention_impl="pallas": row b reads its
+  filled slots [0, position[b]] only (at most the first n, as the dense path's mask),
+  from the whole cache in place: a slice or a dtype cast of the cache would be a copy
+  of every row's n slots, the reading this path saves. A position past the cache
+  (an idle row) reads nothing and gives zeros; the dense path's garbage there is
+  never read either."""
+  size = k_cache.shape[-1]
+  lengths = jnp.where(position < size, jnp.minimum(position + 1, n), 0)
+  return decode_attention.ragged_decode_attention(q[:, 0], k_cache, v_cache, lengths)[:, None]
 
 
 def _remat_policy(name: str):
@@ -376,6 +441,7 @@ class Qwen3(nnx.Module):
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seq_lengths = None
     if cache is None:
       if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
@@ -384,6 +450,8 @@ class Qwen3(nnx.Module):
       idx = jnp.arange(t)
       order = idx[None, :] <= idx[:, None]  # guards packed rows with repeated positions
       mask = same & causal & order[None] & (segment_ids[:, None, :] != 0)
+      if cfg.attention_impl == "dot_product_lengths":
+        seq_lengths = single_sequence_lengths(segment_ids, positions)
     else:
       size = cache["v"][0].shape[2]
       slots = jnp.arange(size if attend_len is None else min(attend_len, size))
@@ -412,7 +480,8 @@ class Qwen3(nnx.Module):
       new_cache = {"k": tuple(ks), "v": tuple(vs)}
     else:
       def body(x, state):
-        return nnx.merge(graphdef, state)(x, positions, mask, cfg)[0], None
+        return nnx.merge(graphdef, state)(x, positions, mask, cfg,
+                                          seq_lengths=seq_lengths)[0], None
 
       if cfg.remat_policy != "none":
         body = jax.checkpoint(body, policy=_remat_policy(cfg.remat_policy),
