@@ -255,7 +255,7 @@ def gather_to(x: jax.Array, process: int) -> np.ndarray | None:
   if plan is None:   # `process` holds no device of x: only an all-gather reaches it
     value = host_value(x)
     return value if me == process else None
-  devices, local, rounds, pad = plan
+  devices, local, rounds, block = plan
   shards = {s.device: s.data for s in x.addressable_shards}
   received = None
   if rounds:
@@ -265,12 +265,9 @@ def gather_to(x: jax.Array, process: int) -> np.ndarray | None:
     for d in devices:
       if d.process_index != me:
         continue
-      data = shards[d]
-      if tuple(data.shape) != pad:   # an uneven block: every block goes at one size
-        data = jax.numpy.pad(data, [(0, p - s) for p, s in zip(pad, data.shape)])
-      bufs.append(data.reshape((1, *pad)))
+      bufs.append(shards[d].reshape((1, *block)))
     stacked = jax.make_array_from_single_device_arrays(
-        (len(devices), *pad), NamedSharding(mesh, PartitionSpec("gather")), bufs)
+        (len(devices), *block), NamedSharding(mesh, PartitionSpec("gather")), bufs)
     received = _permuter(mesh, tuple(tuple(p for p, _ in r) for r in rounds))(stacked)
   if me != process:
     return None
@@ -278,25 +275,25 @@ def gather_to(x: jax.Array, process: int) -> np.ndarray | None:
   for index, device in local:
     out[index] = np.asarray(shards[device])
   if received is not None:
-    by_device = {s.device: s.data for s in received.addressable_shards}
+    by_device = {s.device: np.asarray(s.data) for s in received.addressable_shards}
     for r, pairs in enumerate(rounds):
       for (_, dst), index in pairs:
-        block = np.asarray(by_device[devices[dst]][r, 0])
-        out[index] = block[tuple(slice(0, s.stop - s.start) for s in index)]
+        out[index] = by_device[devices[dst]][r, 0]
   return out
 
 
 def _gather_plan(sharding, shape: tuple[int, ...], process: int):
   """What `gather_to` moves: (devices in a fixed order, [(index, device of `process`
-  holding it)], rounds of [((source position, receiver position), index)], padded
-  block shape), or None when `process` holds none of the devices. The same on every
-  process: it depends only on the sharding, the shape and `process`."""
+  holding it)], rounds of [((source position, receiver position), index)], the block
+  shape), or None when `process` holds none of the devices. The same on every
+  process: it depends only on the sharding, the shape and `process`. (JAX shards
+  evenly: every block has one shape.)"""
   devices = sorted(sharding.device_set, key=lambda d: d.id)
   position = {d: i for i, d in enumerate(devices)}
   receivers = [d for d in devices if d.process_index == process]
   if not receivers:
     return None
-  holders: dict[tuple, list] = {}
+  holders: dict[tuple, list] = {}   # (start, stop) per dimension -> devices holding it
   for device, index in sharding.devices_indices_map(shape).items():
     key = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
     holders.setdefault(tuple((s.start, s.stop) for s in key), []).append(device)
@@ -316,8 +313,8 @@ def _gather_plan(sharding, shape: tuple[int, ...], process: int):
     chunk = remote[start:start + len(receivers)]
     rounds.append([((position[src], position[dst]), index)
                    for (index, src), dst in zip(chunk, receivers)])
-  pad = tuple(max([b - a for a, b in (k[dim] for k in holders)]) for dim in range(len(shape)))
-  return devices, local, rounds, pad
+  block = tuple(b - a for a, b in next(iter(holders)))
+  return devices, local, rounds, block
 
 
 _PERMUTERS: dict[Any, Callable] = {}
