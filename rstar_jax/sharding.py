@@ -41,6 +41,13 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
+    # The JaxEngine's KV cache (per layer k [slots, kv heads, head_dim, length], v [slots,
+    # kv heads, length, head_dim]): slots over the batch axes, heads as the k/v weights,
+    # so a decode step's attention reads only its own device's slots and heads. The
+    # engine refuses a layout these do not divide (jax_engine.cache_specs).
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_kv_heads", "tensor"),
+    ("cache_head_dim", None),
     ("cache_length", None),
     # The log-prob head (`qwen3.chunked_logprobs` on a mesh): vocab-parallel.
     ("head_batch", "data"),

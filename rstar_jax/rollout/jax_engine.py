@@ -33,17 +33,20 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
 from rstar_jax import sharding
 from rstar_jax.model import qwen3
+from rstar_jax.model.config import Qwen3Config
 from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.rollout import sampling
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
@@ -163,6 +166,116 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.decode_steps must be in [1, 64], got {self.decode_steps}")
 
 
+# ---- The KV cache's layout over a mesh -----------------------------------------------
+# qwen3.init_cache's arrays (one of each per layer), by logical axis: the "cache_*" rules
+# of sharding.DEFAULT_RULES place them (slots over data x fsdp, KV heads over tensor).
+CACHE_AXES: dict[str, tuple[str, ...]] = {
+    "k": ("cache_batch", "cache_kv_heads", "cache_head_dim", "cache_length"),
+    "v": ("cache_batch", "cache_kv_heads", "cache_length", "cache_head_dim"),
+}
+# The config field each cache dimension comes from (named by the refusal below).
+_CACHE_FIELDS = {"cache_batch": "EngineConfig.num_slots",
+                 "cache_kv_heads": "Qwen3Config.num_key_value_heads",
+                 "cache_head_dim": "Qwen3Config.head_dim",
+                 "cache_length": "EngineConfig.max_len"}
+
+
+def cache_shapes(model_cfg: Qwen3Config, engine_cfg: EngineConfig) -> dict[str, tuple[int, ...]]:
+  """Shapes of one layer's k and v in the engine's cache (`qwen3.init_cache`'s layout;
+  the engine checks them against it)."""
+  nkv, d = model_cfg.num_key_value_heads, model_cfg.head_dim
+  b, s = engine_cfg.num_slots, engine_cfg.max_len
+  return {"k": (b, nkv, d, s), "v": (b, nkv, s, d)}
+
+
+def _mesh_sizes(mesh_shape: Mapping[str, int]) -> dict[str, int]:
+  unknown = sorted(set(mesh_shape) - set(sharding.MESH_AXES))
+  if unknown:
+    raise ValueError(f"mesh_shape: unknown axes {unknown}; axes are {sharding.MESH_AXES}")
+  sizes = {a: int(mesh_shape.get(a, 1)) for a in sharding.MESH_AXES}
+  bad = {a: n for a, n in sizes.items() if n < 1}
+  if bad:
+    raise ValueError(f"mesh_shape: axis sizes must be resolved positive numbers, got {bad}; "
+                     f"pass the built mesh's shape (sharding.make_mesh(...).shape) for -1")
+  return sizes
+
+
+def cache_specs(model_cfg: Qwen3Config, engine_cfg: EngineConfig,
+                mesh_shape: Mapping[str, int], rules=sharding.DEFAULT_RULES
+                ) -> dict[str, PartitionSpec]:
+  """PartitionSpecs of the cache's k and v arrays on a mesh of `mesh_shape` (axis ->
+  size) under logical-axis `rules`.
+
+  Raises ValueError, naming the field, its value and the fix, when the mesh axes a rule
+  gives a dimension do not divide it. Refused rather than replicated with a warning (as
+  `sharding.fit_spec_to_shape` does for weights): the cache is the engine's largest
+  array (Qwen3-14B, 64 slots x 13,312 tokens: ~140 GB in bf16), so falling back would
+  multiply what every device holds by the axis size, and a tiny test model never needs
+  it (its slot count is ours to choose). Replicating is still possible, by asking for
+  it: a rule of "" for that logical axis.
+  """
+  sizes = _mesh_sizes(mesh_shape)
+  shapes = cache_shapes(model_cfg, engine_cfg)
+  out = {}
+  for name, axes in CACHE_AXES.items():
+    spec = sharding.logical_to_spec(axes, rules)
+    for logical, dim, entry in zip(axes, shapes[name], spec):
+      mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+      n = math.prod(sizes[a] for a in mesh_axes)
+      if dim % n:
+        over = " x ".join(f"{a}={sizes[a]}" for a in mesh_axes)
+        raise ValueError(
+            f"the KV cache cannot be sharded over the mesh: {_CACHE_FIELDS[logical]}={dim} "
+            f"is not a multiple of {n} (mesh axes {over}, the rule for {logical!r}); set "
+            f"{_CACHE_FIELDS[logical]} to a multiple of {n}, or change the mesh, or set the "
+            f"rule mesh.rules.{logical} to axes whose sizes divide {dim} (\"\" keeps the "
+            f"whole dimension on every device: {n}x the cache per device)")
+    out[name] = spec
+  return out
+
+
+def cache_bytes_per_device(model_cfg: Qwen3Config, engine_cfg: EngineConfig,
+                           mesh_shape: Mapping[str, int] | None = None,
+                           rules=sharding.DEFAULT_RULES) -> int:
+  """Bytes of one JaxEngine's KV cache (k and v of every layer) on each device of a
+  mesh of `mesh_shape` (axis -> size, e.g. `{"fsdp": 8, "tensor": 2}` or a Mesh's
+  `.shape`; None: one device, the whole cache). Pure: no device is touched. Raises as
+  `cache_specs` where the engine would refuse the layout."""
+  itemsize = jnp.dtype(engine_cfg.cache_dtype or model_cfg.dtype).itemsize
+  shapes = cache_shapes(model_cfg, engine_cfg)
+  if mesh_shape is None:
+    shards = {name: 1 for name in shapes}
+  else:
+    sizes = _mesh_sizes(mesh_shape)
+    specs = cache_specs(model_cfg, engine_cfg, sizes, rules)
+    shards = {name: math.prod(sizes[a] for e in spec if e is not None
+                              for a in ((e,) if isinstance(e, str) else e))
+              for name, spec in specs.items()}
+  return model_cfg.num_hidden_layers * sum(
+      math.prod(shape) // shards[name] * itemsize for name, shape in shapes.items())
+
+
+def _weights_mesh(state) -> Mesh | None:
+  """The mesh the weights are spread over (None: one device, or no NamedSharding)."""
+  for leaf in jax.tree.leaves(state):
+    s = getattr(leaf, "sharding", None)
+    if isinstance(s, NamedSharding) and s.mesh.size > 1:
+      return s.mesh
+  return None
+
+
+def _constrain_cache(cache, cache_sharding):
+  """`cache` held to the engine's (k, v) shardings (None: as it is). Without it GSPMD
+  chose the output layout of a prefill or decode call from the weights: KV heads over
+  tensor, every slot on every device (and donation then fails, the layouts differing)."""
+  if cache_sharding is None:
+    return cache
+  k_sh, v_sh = cache_sharding
+  wsc = jax.lax.with_sharding_constraint
+  return {"k": tuple(wsc(c, k_sh) for c in cache["k"]),
+          "v": tuple(wsc(c, v_sh) for c in cache["v"])}
+
+
 @dataclasses.dataclass
 class _Slot:
   request: GenerationRequest | None = None
@@ -220,43 +333,48 @@ def _stacked(state):
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "cache_sharding"),
+                   donate_argnames=("cache",))
 def _prefill(graphdef, state, cache, slots, tokens, positions, last, seeds, temps, top_p, top_k,
-             attend_len=None):
+             attend_len=None, cache_sharding=None):
   """Prefills row r of `tokens` [P, T] into cache slot slots[r]; samples each row's
   first token from its position last[r]. Only the first `attend_len` positions of
   the rows' slots are read and written back (every real token's position is below
   it). Padding rows name slot num_slots (their reads are zeros, their writes are
-  dropped)."""
+  dropped). `cache_sharding`: the cache's (k, v) NamedShardings on a mesh, kept by
+  the returned cache (`_constrain_cache`)."""
   model = nnx.merge(graphdef, _stacked(state))
   rows = qwen3.cache_rows(cache, slots, attend_len)
   hidden, rows = model(tokens, positions, cache=rows)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
   logits = model.logits(h_last)[:, 0]
   tok, logp = sampling.sample(logits, seeds, jnp.zeros_like(seeds), temps, top_p, top_k)
-  cache = qwen3.set_cache_rows(cache, slots, rows)
+  cache = _constrain_cache(qwen3.set_cache_rows(cache, slots, rows), cache_sharding)
   return cache, tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "steps", "loop"),
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "attend_len", "steps", "loop", "cache_sharding"),
                    donate_argnames=("cache",))
 def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
-            attend_len=None, steps=1, loop=False):
+            attend_len=None, steps=1, loop=False, cache_sharding=None):
   """`steps` decode steps: step j feeds row r the token step j - 1 sampled (step 0:
   tokens[r]) at positions[r] + j and draws with index indices[r] + j, so the tokens
   equal `steps` calls of one step. Returns the cache and tokens, log-probs [B, steps].
   Unrolled, not a loop: XLA then slices each layer's weights out of the stacked
   arrays once for all steps (one copy per call instead of per step). Positions past
   the cache end (idle rows, rows past their stop) write nowhere. `loop`: the steps as a
-  lax.fori_loop instead (EngineConfig.decode_loop)."""
+  lax.fori_loop instead (EngineConfig.decode_loop). `cache_sharding`: as `_prefill`'s,
+  held after every step."""
   model = nnx.merge(graphdef, _stacked(state))
   if loop and steps > 1:
     return _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
-                        attend_len, steps)
+                        attend_len, steps, cache_sharding)
   tok, toks, logps = tokens, [], []
   for j in range(steps):
     hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
                           attend_len=attend_len)
+    cache = _constrain_cache(cache, cache_sharding)
     logits = model.logits(hidden)[:, 0]
     tok, logp = sampling.sample(logits, seeds, indices + j, temps, top_p, top_k)
     toks.append(tok)
@@ -265,13 +383,14 @@ def _decode(graphdef, state, cache, tokens, positions, seeds, indices, temps, to
 
 
 def _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, top_k,
-                 attend_len, steps):
+                 attend_len, steps, cache_sharding=None):
   """`_decode`'s steps in a lax.fori_loop: step j's token and log-prob are written to
   column j of on-device buffers carried with the cache."""
   def body(j, carry):
     cache, tok, toks, logps = carry
     hidden, cache = model(tok[:, None], (positions + j)[:, None], cache=cache,
                           attend_len=attend_len)
+    cache = _constrain_cache(cache, cache_sharding)
     logits = model.logits(hidden)[:, 0]
     tok, logp = sampling.sample(logits, seeds, indices + j, temps, top_p, top_k)
     tok = tok.astype(jnp.int32)
@@ -279,7 +398,7 @@ def _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, 
             logps.at[:, j].set(logp.astype(jnp.float32)))
 
   b = tokens.shape[0]
-  init = (cache, jnp.asarray(tokens, jnp.int32), jnp.zeros((b, steps), jnp.int32),
+  init = (_constrain_cache(cache, cache_sharding), jnp.asarray(tokens, jnp.int32), jnp.zeros((b, steps), jnp.int32),
           jnp.zeros((b, steps), jnp.float32))
   cache, _, toks, logps = jax.lax.fori_loop(0, steps, body, init)
   return cache, toks, logps
@@ -288,7 +407,10 @@ def _decode_loop(model, cache, tokens, positions, seeds, indices, temps, top_p, 
 class JaxEngine:
   """Continuous-batching generation over a Qwen3 held in this process."""
 
-  def __init__(self, model: Qwen3, config: EngineConfig, name: str = "jax0"):
+  def __init__(self, model: Qwen3, config: EngineConfig, name: str = "jax0", *,
+               rules=sharding.DEFAULT_RULES):
+    """`rules`: the logical-axis rules (config.mesh.logical_rules()) that place the KV
+    cache when the model's weights are spread over a mesh (`cache_specs`)."""
     self.config = config
     self.name = name
     self.graphdef, state = nnx.split(model)
@@ -297,12 +419,7 @@ class JaxEngine:
     state = sharding.committed(state)
     self.state = _per_layer(state) if config.per_layer_weights else state
     self.model_cfg = model.cfg
-    dtype = config.cache_dtype or model.cfg.dtype
-    self.cache = model.init_cache(config.num_slots, config.max_len, dtype)
-    if len(jax.tree.leaves(state)[0].sharding.device_set) == 1:
-      # The cache comes back from every call committed: so must the first call's, or
-      # that shape compiles twice. Not on a mesh, where jit places it by the weights.
-      self.cache = sharding.committed(self.cache)
+    self.cache, self._cache_sharding = self._init_cache(model, _weights_mesh(state), rules)
     self.slots = [_Slot() for _ in range(config.num_slots)]
     self.queue: collections.deque = collections.deque()
     self._lock = threading.Condition()
@@ -312,6 +429,29 @@ class JaxEngine:
     self._t_start = time.perf_counter()
     self.weight_version: str | None = None
     self._weights = 0   # update_weights calls so far: which weights a slot's k/v came from
+
+  def _init_cache(self, model: Qwen3, mesh: Mesh | None, rules):
+    """(cache, its (k, v) shardings or None). On a mesh the cache is created sharded
+    (`cache_specs`): each device allocates only its block, never the whole."""
+    cfg = self.config
+    dtype = cfg.cache_dtype or model.cfg.dtype
+    init = lambda: model.init_cache(cfg.num_slots, cfg.max_len, dtype)
+    if mesh is None:
+      # The cache comes back from every call committed: so must the first call's, or
+      # that shape compiles twice.
+      return sharding.committed(init()), None
+    specs = cache_specs(model.cfg, cfg, mesh.shape, rules)
+    want = cache_shapes(model.cfg, cfg)
+    abstract = jax.eval_shape(init)
+    for name in CACHE_AXES:
+      got = {a.shape for a in abstract[name]}
+      if got != {want[name]}:   # qwen3.init_cache's layout changed: CACHE_AXES must follow
+        raise RuntimeError(f"qwen3.init_cache's {name} arrays have shapes {sorted(got)}, but "
+                           f"jax_engine.CACHE_AXES describes {want[name]}; update CACHE_AXES "
+                           f"and cache_shapes to the new layout")
+    k_sh, v_sh = NamedSharding(mesh, specs["k"]), NamedSharding(mesh, specs["v"])
+    out = {"k": tuple(k_sh for _ in abstract["k"]), "v": tuple(v_sh for _ in abstract["v"])}
+    return jax.jit(init, out_shardings=out)(), (k_sh, v_sh)
 
   # ---- Public API ------------------------------------------------------------
   @property
@@ -539,7 +679,7 @@ class JaxEngine:
         for attend in attends if self.config.decode_buckets else [None]:
           self.cache, tok, _ = _prefill(self.graphdef, self.state, self.cache,
                                         *self._prefill_arrays(rows, length),
-                                        attend_len=attend)
+                                        attend_len=attend, cache_sharding=self._cache_sharding)
           n += 1
     jax.block_until_ready(tok)
     slots = self.config.num_slots
@@ -551,7 +691,8 @@ class JaxEngine:
       for steps in sorted({1, self.config.decode_steps}):
         self.cache, tok, _ = _decode(self.graphdef, self.state, self.cache, z, idle,
                                      z, z, ones, ones, z, attend_len=attend, steps=steps,
-                                     loop=self.config.decode_loop)
+                                     loop=self.config.decode_loop,
+                                     cache_sharding=self._cache_sharding)
         n += 1
     jax.block_until_ready(tok)
     return n
@@ -580,7 +721,7 @@ class JaxEngine:
     t0 = time.perf_counter()
     self.cache, tok, logp = _prefill(
         self.graphdef, state, self.cache, slots, toks, pos, last, seeds, temps, top_p,
-        top_k, attend_len=attend)
+        top_k, attend_len=attend, cache_sharding=self._cache_sharding)
     tok, logp = np.asarray(tok), np.asarray(logp)  # waits for the device
     self.metrics["prefill_s"] += time.perf_counter() - t0
     self.metrics["prefill_calls"] += 1
@@ -659,7 +800,8 @@ class JaxEngine:
         # numpy in: jit moves them in its C++ path (jnp.asarray dispatched an op each,
         # ~0.4 ms of host time per step at 64 slots).
         self.graphdef, state, self.cache, toks, pos, seeds, idx, temps, top_p, top_k,
-        attend_len=attend, steps=steps, loop=self.config.decode_loop)
+        attend_len=attend, steps=steps, loop=self.config.decode_loop,
+        cache_sharding=self._cache_sharding)
     out_tok, out_logp = np.asarray(out_tok).tolist(), np.asarray(out_logp).tolist()
     self.metrics["decode_s"] += time.perf_counter() - t0
     self.metrics["decode_calls"] += 1
