@@ -34,7 +34,7 @@ stays a few MB, `--max_mb`):
 
 `--extra FILE` copies more files (a run's stdout log, say). meta.json holds: date, commit
 and dirty flag of `--code_dir` (the checkout the run's code came from), the command, CPU
-model, ISA (avx512 / avx2), core count, load average at start and end, wall time, the
+model, family and model number, ISA (avx512 / avx2), core count, load average at start and end, wall time, the
 matmul peak rounds measured here (min / median / max), the files with their sizes and
 sha256, and the headline figures read from the evaluation reports (pass@1 with a 95%
 bootstrap interval over problems, the tool-error rate in correct trajectories).
@@ -254,6 +254,24 @@ def isa() -> str:
   return "unknown"
 
 
+def cpu_family() -> str:
+  """"family F model M" from /proc/cpuinfo: the model name alone ("AMD EPYC") does not tell
+  one generation, hence one set of kernels and speeds, from another."""
+  found = {}
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key = line.split(":", 1)[0].strip()
+        if key in ("cpu family", "model") and key not in found:
+          found[key] = line.split(":", 1)[1].strip()
+        if not line.strip():
+          break   # the first processor's block is enough
+  except OSError:
+    pass
+  return (f"family {found['cpu family']} model {found['model']}"
+          if len(found) == 2 else "unknown")
+
+
 def git_state(code_dir: str) -> dict:
   """Commit and whether tracked files differ from it (untracked files do not count: a
   work directory or a log beside the code is not a change to the code)."""
@@ -382,7 +400,8 @@ def collect(*, workdir: str, name: str, out_root: str, command: str, wall_s: flo
     meta = {
         "name": name, "kind": kind, "date": started or now, "collected": now,
         "command": command, **state, "workdir": os.path.abspath(workdir),
-        "cpu_model": results_json.cpu_model(), "isa": isa(), "cores": os.cpu_count(),
+        "cpu_model": results_json.cpu_model(), "cpu_family": cpu_family(), "isa": isa(),
+        "cores": os.cpu_count(),
         "load_start": load_start, "load_end": load_end, "wall_s": wall_s,
         "matmul_peak_gflops": peak, "figures": figures(tmp, kind), "files": files,
     }

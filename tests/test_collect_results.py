@@ -21,7 +21,7 @@ RECIPE_KEPT = {"config.json", "eval_after_sft.json", "eval_after_sft.made_with.j
                "stage1/metrics_rl.jsonl", "stage2/DONE.json", "stage2/metrics_rl.jsonl",
                "rl_progress.png"}
 META_KEYS = {"name", "kind", "date", "collected", "command", "commit", "dirty", "code_dir",
-             "workdir", "cpu_model", "isa", "cores", "load_start", "load_end", "wall_s",
+             "workdir", "cpu_model", "cpu_family", "isa", "cores", "load_start", "load_end", "wall_s",
              "matmul_peak_gflops", "figures", "files"}
 
 
@@ -142,6 +142,8 @@ def test_wrapping_a_command_runs_it_measures_and_collects(tmp_path, code):
   with open("/proc/cpuinfo") as f:
     cpuinfo = f.read()
   assert meta["cpu_model"] in cpuinfo and meta["cores"] == os.cpu_count()
+  family, model = meta["cpu_family"].split()[1::2]
+  assert f"cpu family\t: {family}\n" in cpuinfo and f"model\t\t: {model}\n" in cpuinfo
   assert (meta["isa"] == "avx512") == (" avx512f " in cpuinfo.replace("\n", " "))
   listed = {r["path"]: r["bytes"] for r in meta["files"]}
   assert set(listed) == RECIPE_KEPT
