@@ -151,7 +151,8 @@ def _declaring_classes(cls: type, name: str) -> list[type]:
 def _short(text: str) -> str:
   """The first sentence of `text`, more while they are short (under 40 characters)."""
   text = " ".join(text.split())
-  for m in re.finditer(r"[.!?](?=\s+[A-Z])", text):
+  # A sentence ends at . ! ? (not an ellipsis "..") before a capital or a digit.
+  for m in re.finditer(r"(?<!\.)[.!?](?=\s+[A-Z0-9])", text):
     if text[:m.end()].split()[-1].lower() in _ABBREVIATIONS:
       continue
     if m.end() >= 40:
@@ -175,13 +176,13 @@ def description(cls: type, name: str) -> str:
 
 
 def _section_doc(cls: type) -> str:
-  """The class docstring's first paragraph, unless it is the field entries."""
+  """The class docstring's prose: its paragraphs up to the field entries ("Attributes:")."""
   found = _class_node(cls)
   doc = (ast.get_docstring(found[0]) if found else inspect.cleandoc(cls.__doc__ or "")) or ""
-  first = doc.split("\n\n")[0].strip()
-  if not first or first.startswith("Attributes:") or first.startswith(cls.__name__ + "("):
+  if doc.startswith(cls.__name__ + "("):     # the signature dataclasses give an undocumented class
     return ""
-  return " ".join(first.split())
+  doc = doc.split("Attributes:")[0]
+  return " ".join(" ".join(p.split()) for p in doc.split("\n\n") if p.strip())
 
 
 # ---- the config tree ---------------------------------------------------------------------------
