@@ -12,6 +12,9 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj", "save_qkv_attn",
                   "save_dot_except_mlp")
+# "dot_product_lengths": "dot_product" where every row of a training batch is one
+# sequence plus right padding (RL batches): the rows' lengths, not a [B, T, S] mask, go
+# to cuDNN (its padding-aware causal kernel); batches with packed rows keep the mask.
 ATTENTION_IMPLS = ("xla", "chunked", "blockwise", "dot_product", "dot_product_lengths", "auto")
 # How a decode step (one new token per row) attends over the KV cache: "dense" reads the
 # first attend_len slots of every row (attention_impl's cached path); "pallas" reads each
