@@ -52,6 +52,7 @@ RL_CASES = (
     + [("step.compute_entropy", v, {}) for v in (True, False)]
     + [("step.direct_single_micro_batch", True, {})]   # False: every other case
     + [("step.cast_params_once", True, {})]
+    + [("step.fused_head_loss", True, {}), ("step.fused_head_loss", True, {"loss.kl_coef": 0.5})]
     + [("pow2_rows", v, {}) for v in (True, False)]
     + [("fixed_rows", v, {}) for v in (True, False)]
     + [("reference", "<export>", {"loss.kl_coef": 0.5})]
