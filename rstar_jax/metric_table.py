@@ -45,6 +45,32 @@ RUNS: dict[str, str] = {
 }
 
 
+# The groups of a file's keys, by the part of the name before "/" ("" for a key without
+# one): (title, what the group's keys are computed over, or "").
+GROUPS: dict[str, tuple[str, str]] = {
+    "": ("Row", ""),
+    "sft": ("SFT step", ""),
+    "rollout": ("Rollouts of the step", "Over every trajectory the step generated, less the "
+                "groups dropped whole: a trajectory the engine failed twice "
+                "(`rollout/failed_groups`) or, asynchronous, beyond the staleness bound "
+                "(`async/stale_dropped_groups`)."),
+    "kept": ("The trajectories RoC kept", "The same statistics over the trajectories "
+             "Resample-on-Correct kept for the update (`rl.downsample`)."),
+    "roc": ("Resample-on-Correct", "What the down-sampler (`rl/roc.py`) did: \"all_\" over "
+            "every generated trajectory, \"kept_\" over the kept ones; penalties are the "
+            "report's p_err and p_format."),
+    "update": ("The update", ""),
+    "train": ("The train step", "From the loss (`rl/losses.py`) and the update "
+              "(`train/step.py`): token means are over every loss token of the full batch, "
+              "micro-batches summed."),
+    "time": ("Wall-clock", ""),
+    "async": ("Asynchronous rollouts", "Written under `rl.async_rollouts.max_staleness` >= 1 "
+              "([asynchronous rollouts](../guides/async_rollouts.md))."),
+    "sync": ("Weight sync to rollout servers", "The latest sync through disk "
+             "(`rollout/weight_sync.py`); none in process."),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Metric:
   """One key of a metrics file.
@@ -77,8 +103,8 @@ _MISSING = "left out when there is nothing to count"
 
 # The rollout statistics of a step (`rl/rollouts.metrics`): (name, unit, meaning, when, run).
 _ROLLOUT = (
-    ("reward_mean", "fraction", "mean outcome reward (rewards are 0/1: the share answered "
-     "correctly)", "", "recipe"),
+    ("reward_mean", "fraction", "mean outcome reward; rewards are 0/1, so the share answered "
+     "correctly", "", "recipe"),
     ("tool_calls_per_traj", "calls", "tool calls per trajectory", "", "recipe"),
     ("tool_error_rate", "fraction", "tool calls that failed (error, timeout, unparseable) / "
      "tool calls", f"{_MISSING} (no tool call)", "stats"),
@@ -149,11 +175,11 @@ _SFT = (
 
 _RL = (
     Metric("step", "rl", "steps", "the step count after this row's step (1 for the first)"),
-    *(Metric(f"rollout/{n}", "rl", u, f"{m}, over the step's trajectories (groups with a "
-             f"failed trajectory dropped)", w, r) for n, u, m, w, r in _ROLLOUT),
+    *(Metric(f"rollout/{n}", "rl", u, f"{m} (the step's trajectories)", w, r)
+      for n, u, m, w, r in _ROLLOUT),
     Metric("rollout/failed_groups", "rl", "groups", "groups dropped because the engine failed "
            "one of their trajectories twice"),
-    *(Metric(f"kept/{n}", "rl", u, f"{m}, over the trajectories RoC kept for the update", w, r)
+    *(Metric(f"kept/{n}", "rl", u, f"{m} (the trajectories RoC kept)", w, r)
       for n, u, m, w, r in _ROLLOUT),
     *(Metric(f"roc/{n}", "rl", u, m, w, r) for n, u, m, w, r in _ROC),
     Metric("update/skipped", "rl", "flag", "1 when the step made no update (every group "

@@ -309,14 +309,6 @@ def render_config() -> str:
   return "\n".join(out)
 
 
-_GROUP_TITLES = {
-    "": "Row", "rollout": "Rollouts of the step", "kept": "The trajectories RoC kept",
-    "roc": "Resample-on-Correct", "update": "The update", "train": "The train step",
-    "time": "Wall-clock", "async": "Asynchronous rollouts", "sync": "Weight sync to servers",
-    "sft": "SFT step",
-}
-
-
 def _group(name: str) -> str:
   return name.split("/")[0] if "/" in name else ""
 
@@ -342,7 +334,8 @@ def render_metrics() -> str:
       groups.setdefault(_group(m.name) if file != "eval" else "", []).append(m)
     for g, ms in groups.items():
       if len(groups) > 1:
-        out += [f"### {_GROUP_TITLES.get(g, g)}", ""]
+        title, note = metric_table.GROUPS.get(g, (g, ""))
+        out += [f"### {title}", ""] + ([_prose_cell(note), ""] if note else [])
       out += ["| metric | unit | meaning | written |", "|---|---|---|---|"]
       for m in ms:
         out.append(f"| `{m.name}` | {m.unit} | {_prose_cell(m.meaning)} | "
