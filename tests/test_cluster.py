@@ -527,3 +527,52 @@ def _stop_head(temp):
         os.kill(int(pid), signal.SIGKILL)
       except ProcessLookupError:
         pass
+
+
+_LOCAL_FLEET = r'''
+import json, sys
+import ray   # imported first, as experiments.launch_cluster does
+from rstar_jax.recipe import cluster
+fleet = cluster.Cluster(cluster.ClusterConfig(
+    sandbox_servers=2, sandbox_cpus=0.1, rollout_servers=0, trainer_processes=2,
+    trainer_cpus=0.1, log_dir=sys.argv[1]))
+try:
+  print(json.dumps({"urls": fleet.sandbox_urls,
+                    "coordinator": ray.get(fleet.trainers[0].address.remote()),
+                    "trainer_hosts": ray.get([t.address.remote() for t in fleet.trainers]),
+                    "driver": ray.util.get_node_ip_address()}))
+finally:
+  fleet.shutdown()
+  ray.shutdown()
+'''
+
+
+def _host_address() -> str:
+  """This host's own (non-loopback) address: the one a local fleet must not use."""
+  import socket
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.connect(("198.51.100.1", 9))    # no packet is sent; the route picks the interface
+    return s.getsockname()[0]
+
+
+def test_a_local_ray_fleet_puts_every_server_on_loopback(tmp_path):
+  """Without ray_address the fleet starts its own Ray (one machine): every server URL and
+  the trainer's coordinator are at 127.0.0.1, never at this host's own address, which
+  Ray would otherwise turn 127.0.0.1 into (and the servers would be on the network)."""
+  pytest.importorskip("ray")
+  import json
+  import subprocess
+  import sys
+  env = dict(os.environ, PYTHONPATH=cluster.REPO, SANDBOX_ALLOW_WEAK_ISOLATION="1")
+  for var in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+    env.pop(var, None)
+  out = subprocess.run([sys.executable, "-c", _LOCAL_FLEET, str(tmp_path / "logs")],
+                       cwd=cluster.REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert len(got["urls"]) == 2, got
+  assert all(u.startswith("http://127.0.0.1:") for u in got["urls"]), got
+  assert all(a.startswith("127.0.0.1:") for a in got["trainer_hosts"]), got
+  assert got["driver"] == "127.0.0.1", got
+  host = _host_address()
+  assert host != "127.0.0.1" and host not in json.dumps(got), (host, got)

@@ -119,6 +119,22 @@ class ClusterConfig:
         raise ValueError(f"ClusterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def _local_ray_on_loopback() -> None:
+  """A Ray started here (no ray_address: one machine) keeps every process, and so every
+  server's URL, on 127.0.0.1. On Linux Ray turns 127.0.0.1 (ray.init's _node_ip_address,
+  `ray start --node-ip-address`) into the host's outward address unless
+  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (ray._private.services.resolve_ip_for_localhost),
+  which would put the servers on the host's network. Ray reads that variable once, when
+  it is imported, into ray_constants.ENABLE_RAY_CLUSTER: set both (the variable for the
+  processes Ray starts, the constant for a Ray this process imported already)."""
+  os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+  from ray._private import ray_constants
+  ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def free_port(host: str = "") -> int:
   with socket.socket() as s:
     s.bind((host, 0))
@@ -379,7 +395,9 @@ class Cluster:
       if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=False, runtime_env=env)
       else:
-        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=env)
+        _local_ray_on_loopback()
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=env,
+                 _node_ip_address=LOOPBACK)
     roles = ([("sandbox", cfg.sandbox_cpus, 0.0)] * cfg.sandbox_servers
              + [("rollout", cfg.rollout_cpus, cfg.rollout_gpus)] * cfg.rollout_servers
              + [("trainer", cfg.trainer_cpus, cfg.trainer_gpus)] * cfg.trainer_processes)
