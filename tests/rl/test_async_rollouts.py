@@ -393,3 +393,25 @@ def test_schedule_times_overlaps_the_slower_side_with_the_faster():
   gen, train = [5, 5, 5, 12, 5, 5], [6] * 6
   assert (async_lib.schedule_times(gen, train, 2)["total_s"]
           < async_lib.schedule_times(gen, train, 1)["total_s"])
+
+
+def test_every_key_the_async_runs_write_is_in_the_metric_table(setup, uninterrupted):
+  """The k = 1 runs' metrics files against rstar_jax/metric_table.py: a key with no entry
+  fails by its name, and so does an entry naming these runs that their files do not hold.
+  The decoupled run is the one the decoupled test above made (made here when that test
+  was not selected)."""
+  import json
+  from rstar_jax import metric_table
+  root = setup[3]
+
+  def keys(name):
+    with open(os.path.join(root, name, "metrics_rl.jsonl")) as f:
+      return metric_table.row_keys(json.loads(line) for line in f if line.strip())
+  assert metric_table.problems({"rl": keys("k1")}, "async") == []
+  if not os.path.exists(os.path.join(root, "k1_decoupled", "metrics_rl.jsonl")):
+    t = _trainer(setup, "k1_decoupled", 1, off_policy="decoupled")
+    try:
+      t.run(2, progress=False)
+    finally:
+      t.close()
+  assert metric_table.problems({"rl": keys("k1_decoupled")}, "decoupled") == []
