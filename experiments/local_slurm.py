@@ -317,8 +317,9 @@ def _shim(d: str) -> str:
   return path
 
 
-def rehearsal_env(d: str, shared: str) -> dict[str, str]:
-  """The batch script's documented variables, and the CPU stand-ins for GPUs."""
+def rehearsal_env(d: str, shared: str, extra_args: str = "") -> dict[str, str]:
+  """The batch script's documented variables, and the CPU stand-ins for GPUs;
+  `extra_args`: more --config overrides in EXTRA_ARGS."""
   e = env(d)
   e.update(SHARED=shared, REPO=REPO, CKPT=os.path.join(shared, "sft", "sft", "export"),
            CONFIG=REHEARSAL, PYTHON=_shim(d), GPU_VAR="CUDA_VISIBLE_DEVICES",
@@ -328,7 +329,7 @@ def rehearsal_env(d: str, shared: str) -> dict[str, str]:
            XLA_FLAGS=f"--xla_force_host_platform_device_count={GPUS}",
            REHEARSAL_COMPILE_CACHE=os.path.join(shared, "compile_cache"),
            # one XLA cache for SFT, RL and the servers: a requeued job skips the compiles
-           EXTRA_ARGS=f"--config.compile_cache_dir={shared}/compile_cache")
+           EXTRA_ARGS=f"--config.compile_cache_dir={shared}/compile_cache {extra_args}".strip())
   e.pop("CUDA_VISIBLE_DEVICES", None)
   return e
 
@@ -357,8 +358,9 @@ def job_info(d: str, job: str) -> dict[str, str]:
   return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
-def submit(d: str, shared: str) -> str:
-  out = subprocess.run(["sbatch", "--parsable", SBATCH], env=rehearsal_env(d, shared),
+def submit(d: str, shared: str, extra_args: str = "") -> str:
+  out = subprocess.run(["sbatch", "--parsable", SBATCH],
+                       env=rehearsal_env(d, shared, extra_args),
                        cwd=shared, capture_output=True, text=True, timeout=60)
   if out.returncode:
     raise RuntimeError(f"sbatch: {out.stderr}")

@@ -97,6 +97,24 @@ def _same_table(r, straight):
           assert rb.get(k) == v, (stage, ra["step"], k, v, rb.get(k))
 
 
+def test_a_config_error_in_the_trainer_ends_the_job_failed_without_a_requeue(cluster):
+  """An override the layout check passes but the trainer refuses (exit 2 from every
+  task): the job ends FAILED with the trainer's message and is never requeued. srun
+  alone said 143: --kill-on-bad-exit SIGTERMs the other tasks as soon as the first
+  exits, and the job was requeued MAX_RESTARTS times, failing the same way each time."""
+  d, shared = cluster
+  local_slurm.sft(d, shared)        # the servers start from its export (done once a module)
+  job = local_slurm.submit(d, shared, extra_args="--config.eval.k=0")
+  info = local_slurm.wait_job(d, job, timeout=900)
+  log = local_slurm._read(os.path.join(shared, f"rstar2-14b-{job}.out"))
+  assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), \
+      (info, log[-5000:])
+  assert "config error: config.eval: EvalConfig.k must be >= 1, got 0" in log, log[-5000:]
+  assert re.search(r"\[slurm\] trainer exited 2 \(tasks: [0-9 ]*\b2\b", log), log[-5000:]
+  assert "exit 2 (a config or usage error): not requeued" in log, log[-5000:]
+  assert "requeued in" not in log and "restart 1" not in log, log[-5000:]
+
+
 @pytest.mark.slow
 def test_the_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_table(
     cluster, straight):
@@ -108,6 +126,11 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_tabl
   assert "SIGUSR2 received: stopping at the next step boundary" in log
   assert "interrupted: stopped by SIGUSR2" in log and "(checkpoint saved" in log
   assert log.count("[slurm] trainer exited") >= 2
+  # Every task stopped on its own (140, which the task reports to srun as 0): none was
+  # SIGTERMed by --kill-on-bad-exit while finishing its part of the stop.
+  stopped = log.split("[slurm] time limit near", 1)[1].split("[slurm] trainer exited", 1)
+  assert "[slurm] trainer exited 140 (tasks: 140)" in log, log[-5000:]
+  assert "Terminating StepId" not in stopped[0], stopped[0][-5000:]
   _same_table(r, straight)
 
 
