@@ -832,3 +832,25 @@ def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(r
   assert "holds no checkpoint to carry its optimizer state" in out.stderr
   assert "--config.stage2.reset_optimizer=True" in out.stderr
   assert not os.path.exists(os.path.join(d, "stage1", "checkpoints"))   # not made empty
+
+
+def test_every_key_the_smoke_run_writes_is_in_the_metric_table(recipe_dir):
+  """The smoke recipe's metrics files and its evaluation report against
+  rstar_jax/metric_table.py: a key with no entry fails by its name, and so does an entry
+  that names this run but none of its files holds (docs/reference/metrics.md is made from
+  the table)."""
+  from rstar_jax import metric_table
+  workdir = recipe_dir[0]
+  keys = {
+      "sft": metric_table.row_keys(_metrics(os.path.join(workdir, "sft", "metrics_sft.jsonl"))),
+      "rl": metric_table.row_keys(_metrics(os.path.join(workdir, "stage1", "metrics_rl.jsonl"))),
+      "eval": metric_table.flat_keys(json.load(open(os.path.join(workdir, "eval_final.json")))),
+  }
+  assert all(keys.values()), keys
+  assert metric_table.problems(keys, "recipe") == []
+
+
+def test_every_key_the_kl_run_writes_is_in_the_metric_table(straight_kl):
+  from rstar_jax import metric_table
+  rows = _metrics(os.path.join(straight_kl, "stage1", "metrics_rl.jsonl"))
+  assert metric_table.problems({"rl": metric_table.row_keys(rows)}, "kl") == []
