@@ -14,9 +14,10 @@ scheduler runs every 2 s and a requeued job may start again after cred_expire (1
             `export SLURM_CONF=...` for the shell that uses sbatch / srun / scontrol.
   down      cancel every job, stop the daemons by their PIDs, and end any process a job
             of this cluster left behind (found by SLURM_CONF in its environment).
-  rehearse  the 14B batch script, unchanged, on this cluster with the rehearsal overlay
-            (experiments/configs/rstar2_agent_14b_rehearsal.py): SFT as a 4-task srun,
-            then `sbatch experiments/slurm/rstar2_14b.sbatch` (RL stages 1-3 and the
+  rehearse  the 14B batch scripts, unchanged, on this cluster with the rehearsal overlay
+            (experiments/configs/rstar2_agent_14b_rehearsal.py): SFT by `sbatch
+            experiments/slurm/rstar2_14b_sft.sbatch` (4 tasks), then
+            `sbatch experiments/slurm/rstar2_14b.sbatch` (RL stages 1-3 and the
             evaluation) with only its environment variables set; waits for the job and
             prints its final table. --interrupt=signal shortens the job's time limit so
             that SLURM's own `--signal=B:USR1@1800` comes mid-stage (checkpoint, requeue,
@@ -47,6 +48,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(REPO, "experiments", "slurm", "rstar2_14b.sbatch")
+SFT_SBATCH = os.path.join(REPO, "experiments", "slurm", "rstar2_14b_sft.sbatch")
 REHEARSAL = "experiments/configs/rstar2_agent_14b_rehearsal.py"
 HOSTS_MARK = "# rstar_jax experiments/local_slurm.py"
 NODE_PREFIX = "node"
@@ -334,22 +336,28 @@ def rehearsal_env(d: str, shared: str, extra_args: str = "") -> dict[str, str]:
   return e
 
 
-def sft(d: str, shared: str, timeout: float = 900) -> float:
-  """The SFT stage as the trainer runs: 4 tasks, one per trainer node, 8 devices each."""
+def sft(d: str, shared: str, timeout: float = 1500) -> float:
+  """The SFT stage as on the cluster: `sbatch experiments/slurm/rstar2_14b_sft.sbatch`
+  with the overlay's :sft variant (4 tasks, one a trainer node, 8 devices each; its
+  export, <shared>/sft/sft/export, is the batch script's CKPT). Its log: <shared>/sft.log."""
   t0 = time.monotonic()
   work = os.path.join(shared, "sft")
   if os.path.exists(os.path.join(work, "sft", "DONE.json")):
     return 0.0
-  cmd = ["srun", "--nodes=4", "--ntasks-per-node=1", f"--gpus-per-node={GPUS}",
-         "--kill-on-bad-exit=1", f"--chdir={REPO}", sys.executable, "-m", "experiments.recipe",
-         "--config", f"{REHEARSAL}:sft", f"--config.workdir={work}", "--stages=sft",
-         f"--config.compile_cache_dir={shared}/compile_cache"]
-  out = subprocess.run(cmd, env=rehearsal_env(d, shared), capture_output=True, text=True,
-                       timeout=timeout)
-  with open(os.path.join(shared, "sft.log"), "w") as f:
-    f.write(out.stdout + out.stderr)
+  env = rehearsal_env(d, shared)
+  env.update(CONFIG=f"{REHEARSAL}:sft", WORKDIR=work, BASE="")   # BASE empty: a random tiny model
+  out = subprocess.run(["sbatch", "--parsable", SFT_SBATCH], env=env, cwd=shared,
+                       capture_output=True, text=True, timeout=60)
   if out.returncode:
-    raise RuntimeError(f"SFT failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+    raise RuntimeError(f"sbatch: {out.stderr}")
+  job = out.stdout.strip().split(";")[0]
+  info = wait_job(d, job, timeout)
+  log = _read(os.path.join(shared, f"rstar2-14b-sft-{job}.out"))
+  with open(os.path.join(shared, "sft.log"), "w") as f:
+    f.write(log)
+  if info.get("JobState") != "COMPLETED":
+    raise RuntimeError(f"SFT job {job}: {info.get('JobState')} exit {info.get('ExitCode')}:\n"
+                       f"{log[-4000:]}")
   return time.monotonic() - t0
 
 

@@ -3,7 +3,8 @@
 `experiments.local_slurm` starts Debian's slurmctld and 8 slurmd's (one virtual node
 each, 8 fake GPUs each, every daemon and server on 127.0.0.x); the rehearsal overlay
 (experiments/configs/rstar2_agent_14b_rehearsal.py) keeps the 14B config's stages,
-process layout, mesh and backends with tiny sizes. SFT runs as a 4-task srun, then
+process layout, mesh and backends with tiny sizes. SFT runs through
+`sbatch experiments/slurm/rstar2_14b_sft.sbatch` (4 tasks), then
 `sbatch experiments/slurm/rstar2_14b.sbatch` with only its environment variables set
 runs RL stages 1-3 and the evaluation. Nothing is mocked: SLURM signals, requeues and
 kills for real. The time-limit and the kill rehearsals take ~4 minutes each on 2 cores

@@ -1,4 +1,4 @@
-r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.py --config.workdir=/shared/rstar/runs/rstar2_14b --config.model.hf_dir=/shared/rstar/ckpt/qwen3-14b-sft --config.tokenizer.path=/shared/rstar/ckpt/qwen3-14b-sft --config.data.train_files="('/shared/rstar/data/dapo_aops_euler.parquet',)" --config.data.eval_files="('/shared/rstar/data/aime24.jsonl',)" --config.sft.data.files="('/shared/rstar/data/sft.jsonl',)" --config.rollout.servers="('http://node4:30000','http://node4:30001')" --config.tools.urls="('http://node0:8321',)" --config.rollout.weight_sync.dir=/shared/rstar/weights
+r"""python -m experiments.recipe --config experiments/configs/rstar2_agent_14b.py --config.workdir=/shared/rstar/runs/rstar2_14b --config.model.hf_dir=/shared/rstar/runs/sft/sft/export --config.tokenizer.path=/shared/rstar/runs/sft/sft/export --config.data.train_files="('/shared/rstar/data/dapo_aops_euler.parquet',)" --config.data.eval_files="('/shared/rstar/data/aime24.jsonl',)" --config.sft.data.files="('/shared/rstar/data/sft.jsonl',)" --config.rollout.servers="('http://node4:30000','http://node4:30001')" --config.tools.urls="('http://node0:8321',)" --config.rollout.weight_sync.dir=/shared/rstar/weights
 
 rStar2-Agent-14B: the report's recipe for Qwen3-14B-Base on 64 accelerators.
 
@@ -115,7 +115,7 @@ def get_config(variant: str = ""):
 def _cluster() -> ml_collections.ConfigDict:
   """experiments.launch_cluster's fleet for LAYOUT on a running Ray cluster."""
   lay = layout()
-  ckpt = f"{SHARED}/ckpt/qwen3-14b-sft"
+  ckpt = f"{SHARED}/runs/sft/sft/export"   # experiments/slurm/rstar2_14b_sft.sbatch's export
   c = ml_collections.ConfigDict()
   c.cluster = cu.section(
       cluster.ClusterConfig, ray_address="auto", placement="SPREAD",
