@@ -9,10 +9,12 @@ Writes into DIR, per process I:
   * gather_I.npz / gather_I.json: `distributed.gather_to` of arrays of known value
     under several shardings, to every process in turn (what each process got back);
   * hf_f32/: `save_hf(parallel=True)` in float32, small shards (several per process);
+  * hf_serial/: `save_hf` without parallel (process 0 writes), in float32;
   * sync/step-7/: `DiskWeightSync.publish` in bfloat16, which updates the rollout
     server at --server (process 0 talks to it);
   * opened_I.json: every file this process opened for writing during the exports, as
-    Python's own audit hook saw it (not what the export says it did).
+    Python's own audit hook saw it (not what the export says it did), and what each
+    process raised when the last one's writes failed (hf_fail/).
 """
 import argparse
 import json
@@ -120,6 +122,9 @@ def main():
   sys.addaudithook(audit)
   returned = hf_io.save_hf(model, os.path.join(a.out, "hf_f32"), dtype="float32",
                            parallel=True, max_shard_bytes=40_000)
+  # The default export of the same model (every tensor gathered to every process,
+  # process 0 writes one file): the layout a single process writes.
+  hf_io.save_hf(model, os.path.join(a.out, "hf_serial"), dtype="float32")
   engines = []
   if a.server and distributed.is_main():
     from rstar_jax.rollout import sglang_engine
@@ -131,8 +136,20 @@ def main():
   metrics = sync.publish(nnx.state(model), "step-7")
   for e in engines:
     e.stop()
+  # A disk that fails on the last process only (full, say): every process must raise,
+  # none wait for it in a collective.
+  failure = None
+  if me == a.num_processes - 1:
+    def full(self, name, value):
+      raise OSError(28, "No space left on device (injected)", self.path)
+    hf_io._StreamedShard.write = full
+  try:
+    hf_io.save_hf(model, os.path.join(a.out, "hf_fail"), dtype="float32", parallel=True)
+  except (OSError, RuntimeError) as e:
+    failure = f"{type(e).__name__}: {e}"
   with open(os.path.join(a.out, f"opened_{me}.json"), "w") as f:
-    json.dump({"opened": opened, "returned": returned, "metrics": metrics}, f)
+    json.dump({"opened": opened, "returned": returned, "metrics": metrics,
+               "failure": failure}, f)
   distributed.barrier("sharded export worker done")
 
 

@@ -9,6 +9,7 @@ alone:
     HF's (every tensor in exactly one file, total_size), transformers loads it with the
     single-process export's logits and ours;
   * each process opened for writing only its own shard files (Python's audit hook);
+  * a write failing on one process raises on every process, and leaves no index;
   * our rollout server, updated by the 2-process publish, serves the new weights.
 """
 import asyncio
@@ -152,6 +153,14 @@ def test_sharded_exports_equal_the_single_process_export(job):
   assert len(os.listdir(job["out"] / "hf_f32")) - 2 > PROCESSES
 
 
+def test_the_default_export_from_two_processes_is_the_single_process_file(job):
+  got, ref = job["out"] / "hf_serial", job["ref"]["float32"]
+  assert sorted(os.listdir(got)) == sorted(os.listdir(ref)) == ["config.json",
+                                                                 "model.safetensors"]
+  for name in os.listdir(ref):
+    assert (got / name).read_bytes() == open(os.path.join(ref, name), "rb").read(), name
+
+
 def test_each_process_opened_only_its_own_shard_files(job):
   opened = [json.loads((job["out"] / f"opened_{i}.json").read_text())
             for i in range(PROCESSES)]
@@ -182,6 +191,21 @@ def test_each_process_opened_only_its_own_shard_files(job):
   for name in ("model.safetensors.index.json.tmp", "config.json.tmp"):
     assert any(p.endswith(name) for p in opened[0]["opened"]), name
     assert not any(p.endswith(name) for p in opened[1]["opened"]), name
+
+
+def test_a_write_failing_on_one_process_raises_on_every_process(job):
+  failures = [json.loads((job["out"] / f"opened_{i}.json").read_text())["failure"]
+              for i in range(PROCESSES)]
+  last = PROCESSES - 1
+  assert failures[last].startswith("OSError: [Errno 28] No space left on device (injected)")
+  for i in range(last):
+    assert failures[i] == (f"RuntimeError: save_hf {job['out'] / 'hf_fail'}: process {last} "
+                           f"failed (OSError: [Errno 28] No space left on device (injected): "
+                           f"'{job['out'] / 'hf_fail'}/model-00002-of-00002.safetensors.tmp')"
+                           ), failures[i]
+  # Nothing that looks complete is left: no config.json, no index.
+  assert not {"config.json", "model.safetensors.index.json"} & set(
+      os.listdir(job["out"] / "hf_fail"))
 
 
 def test_transformers_loads_the_sharded_export_with_the_same_logits(job):

@@ -451,15 +451,23 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
       tensor is gathered to its writer alone (`distributed.gather_to`). Process 0
       writes the index, config.json and the tokenizer once every share is on disk.
       `out_dir` must be one directory every process sees (shared storage on a cluster).
+      A write that fails on any process raises on every process.
     tokenizer_dir: a tokenizer directory whose files are copied alongside.
     chat_template: a Jinja chat template (e.g. `rollout.chat.hf_chat_template(config)`),
       stored as `chat_template` in the exported `tokenizer_config.json`, where
       transformers' `AutoTokenizer` (4.x and 5.x) and SGLang read it. Needs
       `tokenizer_dir`. A `chat_template.jinja` would take precedence in transformers,
       so none is copied, and a stale one in `out_dir` is removed.
+
+  Returns:
+    The weight files this process wrote (the others' are theirs).
   """
   if dtype not in _NP_DTYPES:
     raise ValueError(f"save_hf: dtype {dtype!r}; choose from {sorted(_NP_DTYPES)}")
+  if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
+      max_shard_bytes <= 0):
+    raise ValueError(f"save_hf: max_shard_bytes must be a positive number of bytes, got "
+                     f"{max_shard_bytes!r}")
   if chat_template is not None and not tokenizer_dir:
     raise ValueError("save_hf: chat_template is stored in the exported tokenizer_config.json, "
                      "so it needs tokenizer_dir (the tokenizer exported alongside)")
