@@ -7,10 +7,11 @@ the code: every field of the recipe's config tree and every metric name a run wr
 A field's description is what its code says of it, found in one of three places (the first
 that has one): its `name: text` entry in the docstring of the dataclass that declares it
 (several names may share one, `a, b: ...` or `a / b: ...`), a trailing `# comment` on its
-line, or the comment lines right above it. The page keeps the first sentence (two when the
-first is short); the section heading links to the source for the rest. A field with none is
-listed as such and counted at the top of the page. Defaults are the dataclasses' own, a
-nested section's those of its parent's default (config files set their own). The metrics page renders `rstar_jax.metric_table`.
+line, or the comment lines right above it. The page keeps its first sentence, and the next
+ones while the text is under 40 characters; the section heading links to the source for the
+rest. A field with none is listed as such and counted at the top of the page. Defaults are
+the dataclasses' own, a nested section's those of its parent's default (config files set
+their own). The metrics page renders `rstar_jax.metric_table`.
 """
 from __future__ import annotations
 
@@ -274,28 +275,27 @@ def _anchor(path: str) -> str:
 
 
 def render_config() -> str:
-  secs = list(sections())
+  secs = [s for s in sections() if s.fields]
   fields = [f for s in secs for f in s.fields]
   missing = [f for f in fields if not f.description]
   out = [
       "# Config reference", "",
-      f"Generated from the code by `{COMMAND}`; do not edit by hand (`tests/test_reference_pages.py`",
-      "fails when this page is out of date).", "",
+      f"Generated from the code by `{COMMAND}`; do not edit by hand",
+      "(`tests/test_reference_pages.py` fails when this page is out of date).", "",
       "Every field of the recipe's config tree, `RecipeConfig` in "
       f"{_source_link(stages.RecipeConfig)}. Each section holds the keyword arguments of the "
       "dataclass it builds ([architecture](../architecture.md), \"From config to code\"); set "
       "a field on the command line by its path, e.g. `--config.rl.loss.eps_high=0.28`. Defaults "
-      "are the dataclasses' own (`stage2` and `stage3` default to 0 steps); the config files in `experiments/configs/` set their own. "
-      "The description is the first sentence of what the field's code says (its docstring "
-      "entry, or its comment); the section's source file has the rest.", "",
+      "are the dataclasses' own (`stage2` and `stage3` default to 0 steps); the config files "
+      "in `experiments/configs/` set their own. The description is the first sentence of what "
+      "the field's code says (its docstring entry, or its comment); the section's source file "
+      "has the rest.", "",
       f"{len(fields)} fields in {len(secs)} sections; {len(missing)} without a description in "
       "the code.", "",
       "Sections: " + ", ".join(f"[{s.path or 'top level'}](#{_anchor(s.path)})" for s in secs)
       + ".", "",
   ]
   for s in secs:
-    if not s.fields:
-      continue
     out += [f"## {s.path or 'top level'}", ""]
     intro = f"`{s.cls.__name__}` in {_source_link(s.cls)}."
     doc = _section_doc(s.cls)
