@@ -246,3 +246,38 @@ def test_a_layout_the_preflight_refuses_starts_nothing(tmp_path):
   assert proc.returncode == 2, out
   assert "rollout.backend: 'jax'" in out and "not started, not requeued" in out, out
   assert mark.read_text() == "" and not (tmp_path / "mark.pids").exists()
+
+
+def test_the_sft_script_trains_on_the_layout_s_trainer_nodes_without_servers(tmp_path):
+  """experiments/slurm/rstar2_14b_sft.sbatch: the 14B config's SFT on its 4 trainer
+  nodes (one task each, from the layout the preflight prints), from BASE, with no
+  rollout or sandbox server and no rollout.servers; its export is the RL script's CKPT."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  _tool(bin_dir / "srun", _SRUN)
+  _tool(bin_dir / "scontrol", _SCONTROL)
+  (tmp_path / "trainer.py").write_text(_TRAINER)
+  mark = tmp_path / "mark"
+  mark.write_text("")
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", MARK=str(mark),
+             FAKE_TRAINER=str(tmp_path / "trainer.py"), FAKE_TRAINER_FINISHES="1",
+             SHARED=str(tmp_path), REPO=REPO, SLURM_JOB_ID="77",
+             SLURM_JOB_NODELIST="node[0-3]", PYTHON=sys.executable, BASE="/ckpt/base")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(["bash", os.path.join(REPO, "experiments", "slurm",
+                                             "rstar2_14b_sft.sbatch")],
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stdout + out.stderr
+  text = mark.read_text()
+  opts = text.split("trainer step", 1)[1].splitlines()[0].split()
+  assert "--ntasks=4" in opts and "--nodelist=node0,node1,node2,node3" in opts, opts
+  assert "--kill-on-bad-exit=1" in opts and "--gpus-per-node=8" in opts, opts
+  started = text.split("trainer started", 1)[1].splitlines()[0]
+  assert "--stages=sft" in started and f"--config.workdir={tmp_path}/runs/sft" in started
+  assert "--config.model.hf_dir=/ckpt/base" in started, started
+  assert "rollout.servers" not in started and "tools.urls" not in started, started
+  assert not (tmp_path / "mark.servers").exists()         # no server of any kind
+  assert f"its export is {tmp_path}/runs/sft/sft/export" in out.stdout, out.stdout
+  # The RL script's CKPT by default: this export.
+  script = open(SCRIPT).read()
+  assert "CKPT=${CKPT:-$SHARED/runs/sft/sft/export}" in script
