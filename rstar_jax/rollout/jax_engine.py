@@ -23,6 +23,12 @@ a request's log-probs depended on its company and on timing. The switch fixes ev
 call's shapes by the request alone (whole-slot decode, one request per prefill, no
 prefix reuse): docs/guides/reproducibility.md.
 
+On a mesh (the model's weights spread over one) the cache is created sharded, slots over
+data x fsdp and KV heads over tensor (the "cache_*" rules of `sharding.DEFAULT_RULES`,
+`cache_specs`), and every prefill and decode call returns it in that layout: each device
+holds its share only (`cache_bytes_per_device`, which the preflight can call without
+devices). A layout the mesh does not divide is refused at construction.
+
 Parameters: `update_weights(state)` swaps what the next step uses. With
 `per_layer_weights` (default) the engine keeps its own copy of the layers' weights,
 one buffer per layer; otherwise it reads the trainer's arrays in place (no copy).
