@@ -8,9 +8,10 @@ JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables, or SLURM
 rollouts on the SGLang servers listed in --config.rollout.servers (rollout.backend is
 "sglang": the in-process "jax" backend is refused by a multi-process run) and sandboxes
 at --config.tools.urls; every path on storage all nodes share. Nobody types all of that:
+`sbatch experiments/slurm/rstar2_14b_sft.sbatch` runs SFT (no servers needed), whose export
 `sbatch experiments/slurm/rstar2_14b.sbatch` (SLURM) or
 `python -m experiments.launch_cluster --config experiments/configs/rstar2_agent_14b.py:cluster`
-(Ray) start the fleet and the trainer from this file (docs/guides/cluster.md).
+(Ray) start the fleet and the RL trainer from (docs/guides/cluster.md).
 
 The layout is stated once, here (LAYOUT, TENSOR, RL_SEQS_PER_SHARD): the recipe's mesh
 and micro-batches below follow from it, the `:layout` variant is it as a section (what
