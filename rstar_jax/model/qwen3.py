@@ -392,9 +392,14 @@ def _ragged_decode(q, k_cache, v_cache, position, n):
   from the whole cache in place: a slice or a dtype cast of the cache would be a copy
   of every row's n slots, the reading this path saves. A position past the cache
   (an idle row) reads nothing and gives zeros; the dense path's garbage there is
-  never read either."""
+  never read either. The kernel needs a multiple of 16 slots: a cache of another
+  size is read through its first n slots when n is one (the engine's power-of-two
+  buckets), else padded (a copy: give such an engine a max_len that is a multiple
+  of 16)."""
   size = k_cache.shape[-1]
   lengths = jnp.where(position < size, jnp.minimum(position + 1, n), 0)
+  if size % 16 and n % 16 == 0:
+    k_cache, v_cache = k_cache[..., :n], v_cache[:, :, :n]
   return decode_attention.ragged_decode_attention(q[:, 0], k_cache, v_cache, lengths)[:, None]
 
 

@@ -205,23 +205,26 @@ def test_ragged_decode_attention_names_bad_shapes():
     decode_attention.ragged_decode_attention(q, k.swapaxes(2, 3), v, jnp.zeros((2,), jnp.int32))
 
 
-@pytest.mark.parametrize("cache_dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
-def test_pallas_decode_steps_match_the_dense_model(cache_dtype, atol):
+@pytest.mark.parametrize("cache_dtype,size,atol", [(jnp.float32, 32, 1e-5),
+                                                   (jnp.bfloat16, 40, 5e-2)])
+def test_pallas_decode_steps_match_the_dense_model(cache_dtype, size, atol):
   """decode_attention_impl="pallas" in the model: prefill rows of 4, 7 and 5 tokens,
-  then decode steps over a 32-slot cache read through attend_len 16, with a fourth
-  row idle (its position past the cache, as the engine's idle slots): the logits of
-  the real rows equal the dense model's, step after step, on fp32 and bf16 caches."""
+  then decode steps over a cache of `size` slots read through attend_len 16, with a
+  fourth row idle (its position past the cache, as the engine's idle slots): the
+  logits of the real rows equal the dense model's, step after step, on an fp32 cache
+  of 32 slots (read whole by the kernel) and a bf16 one of 40 (no multiple of 16:
+  read through its first 16)."""
   dense = qwen3.create_model(CFG, seed=1)
   fast = qwen3.create_model(CFG.replace(decode_attention_impl="pallas"), seed=1)
   tokens = _tokens(4, 12)
   lengths = np.array([4, 7, 5, 0])
-  caches = [m.init_cache(4, 32, cache_dtype) for m in (dense, fast)]
-  pos = jnp.where(jnp.arange(7)[None] < lengths[:, None], jnp.arange(7)[None], 32)
+  caches = [m.init_cache(4, size, cache_dtype) for m in (dense, fast)]
+  pos = jnp.where(jnp.arange(7)[None] < lengths[:, None], jnp.arange(7)[None], size)
   for i, m in enumerate((dense, fast)):
     _, caches[i] = m(tokens[:, :7], pos, cache=caches[i], attend_len=16)
   cur = lengths.copy()
   for _ in range(4):
-    step_pos = jnp.asarray(np.where(np.arange(4) < 3, cur, 32))[:, None]
+    step_pos = jnp.asarray(np.where(np.arange(4) < 3, cur, size))[:, None]
     step_tok = tokens[jnp.arange(4), np.minimum(cur, 11)][:, None]
     out = []
     for i, m in enumerate((dense, fast)):
