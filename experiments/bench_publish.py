@@ -6,7 +6,7 @@ this host, against the disk's sequential write bandwidth measured in the same ru
 
   * disk rows: the same number of bytes as the export, in 64 MiB `write`s of a buffer
     already in memory, by 1 and by 2 writers at once (threads, one file each), with and
-    without `fsync` before the clock stops. The publish does not fsync (readers see the
+    without `fsync` before the clock stops; measured once after each job (3 runs). The publish does not fsync (readers see the
     page cache on one host, and close-to-open on shared storage), so the row without
     fsync is its bound where the bytes fit in memory, the fsync rows where they do not.
   * publish, 1 process x 2 CPU devices (fsdp 2): one process converts and writes all.
@@ -182,25 +182,32 @@ def main(_):
   os.makedirs(root, exist_ok=True)
   load_before = os.getloadavg()
   stamp = results_json.stamp()
-  rows = []
+  disk_cases = ((1, False), (1, True), (2, True))
+  disk_times = {case: [] for case in disk_cases}
+
+  def measure_disk():   # after every job, so that the host's load hits both kinds of row
+    for case in disk_cases:
+      disk_times[case].append(_disk(root, nbytes, *case))
+
   one = _job(1, "publish", root)
   nbytes = one["bytes"]
-  for writers, fsync in ((1, False), (1, True), (2, True)):
-    times = []
-    for _ in range(FLAGS.repeats):
-      times.append(_disk(root, nbytes, writers, fsync))
-    rows.append({"row": f"disk write, {writers} writer(s)" + (" + fsync" if fsync else ""),
-                 "processes": writers, "times_s": times})
-  rows.append({"row": "publish, 1 process", "processes": 1, "times_s": one["times_s"]})
+  measure_disk()
   two = _job(2, "publish", root)
+  measure_disk()
+  serial = _job(2, "serial", root)
+  measure_disk()
+  rows = [{"row": f"disk write, {writers} writer(s)" + (" + fsync" if fsync else ""),
+           "processes": writers, "times_s": disk_times[(writers, fsync)]}
+          for writers, fsync in disk_cases]
+  rows.append({"row": "publish, 1 process", "processes": 1, "times_s": one["times_s"]})
   rows.append({"row": "publish, 2 processes (each writes its share)", "processes": 2,
                "times_s": two["times_s"]})
-  serial = _job(2, "serial", root)
   rows.append({"row": "save_hf default, 2 processes (process 0 writes all)", "processes": 2,
                "times_s": serial["times_s"]})
   disk_ref = statistics.median(rows[1]["times_s"])   # 1 writer + fsync
   gb = nbytes / 1e9
-  print(f"\n{gb:.3f} GB per export (bfloat16), {FLAGS.repeats} timed runs per row, median")
+  print(f"\n{gb:.3f} GB per export (bfloat16), {FLAGS.repeats} timed runs per export row, "
+        f"3 per disk row, median")
   print(f"{'':52s} {'s':>7s} {'GB/s':>7s} {'vs disk+fsync':>14s}")
   for r in rows:
     r["median_s"] = statistics.median(r["times_s"])
