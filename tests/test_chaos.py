@@ -8,8 +8,8 @@ middle of a step:
 
 * the schedule is drawn from a seed new at every run (printed, and in every assertion
   message; `RSTAR_CHAOS_SEED=<seed>` replays it): for each kill, its victim, its step
-  and a delay into that step's rollouts (a fraction of the reference's rollout time of
-  that step, counted from the moment a rollout server first reports work for the step);
+  and a delay into that step's rollouts (under 60% of the reference's shortest rollout
+  phase, counted from the moment a rollout server first reports work for the step);
 * the rollout server is killed with generation requests in flight: it is held in place
   (`/pause_generation` mode "in_place", SGLang's API: running requests keep their slots,
   none finishes) while its `/v1/loads` is read, and killed only if that reports running
@@ -18,6 +18,9 @@ middle of a step:
   reported work after the previous step's metrics row) and before the step's
   checkpoint: it is stopped (SIGSTOP) while that is checked, then killed; the job must
   resume from the previous step's checkpoint (its "resumed ... at step N" line);
+* a server kill drawn for the trainer's step lands in that step redone after the
+  trainer's restart, not before the trainer kill (where the job would throw its effect
+  away with the step); the test asserts that order;
 * a kill whose step ended before it could land that way moves to the next step, with
   no delay (said in the record); a schedule that could not land fails the test.
 
@@ -235,9 +238,12 @@ class Chaos:
   def _step_began(self, fleet, over, step) -> int | None:
     """Waits until step `step` is running and its rollouts began: the previous step's row
     is written, this one's is not, and a rollout server reports work. Returns that
-    server's request count, None if the stage ended first."""
+    server's request count; 0 if the step is past, None if the stage ended."""
     while not over.is_set():
-      if _rows(self.metrics) == step - 1:
+      rows = _rows(self.metrics)
+      if rows >= step:
+        return 0
+      if rows == step - 1:
         for url in fleet.rollout_urls:    # fixed: a server restarts on its port
           n = _work(url)
           if n:
@@ -245,17 +251,32 @@ class Chaos:
       over.wait(0.02)
     return None
 
+  def _after_the_trainer(self, fleet, over) -> None:
+    """Until the trainer kill has landed and the restarted job has resumed. A server
+    killed in the trainer's step before it would have its effect thrown away with the
+    step (the job redoes it), and requests a killed trainer left running on a server are
+    no one's: a server kill of that step lands in the redone step instead."""
+    trainer = next(k for k in self.schedule if k.what == "trainer")
+    while not over.is_set() and not (trainer.landed.get("step") and fleet.restarts
+                                     and fleet.restarts[-1]["resumed_step"] is not None):
+      over.wait(0.05)
+
   def _one(self, fleet, over, kill):
     step, delay = kill.step, kill.delay_s
+    trainer_step = next(k.step for k in self.schedule if k.what == "trainer")
     while step <= STEPS:
+      if kill.what != "trainer" and step == trainer_step:
+        self._after_the_trainer(fleet, over)
       began = self._step_began(fleet, over, step)
       if began is None:
         return
-      if over.wait(delay):
-        return
-      land = getattr(self, "_" + kill.what)(fleet, over, kill, step)
-      if land is not None:
-        kill.landed = dict(land, step=step, began_with=began, rows=_rows(self.metrics))
+      if began and not over.wait(delay):
+        land = getattr(self, "_" + kill.what)(fleet, over, kill, step)
+        if land is not None:
+          kill.landed = dict(land, step=step, began_with=began, rows=_rows(self.metrics),
+                             t=time.monotonic())
+          return
+      if over.is_set():
         return
       kill.landed.setdefault("missed", []).append(step)   # moves to the next step, no delay
       step, delay = step + 1, 0.0
@@ -321,6 +342,9 @@ def test_a_fleet_under_random_kills_equals_the_uninterrupted_fleet_bit_for_bit(
   for k in (sandbox, rollout):
     assert [i["restarts"] for i in out["info"][k.what]] == [int(j == k.victim)
                                                            for j in range(2)], (where, out["info"])
+  # No server kill's ride-out was thrown away: none landed in the trainer's step before it.
+  for k in (sandbox, rollout):
+    assert k.landed["step"] != trainer.landed["step"] or k.landed["t"] > trainer.landed["t"], where
   # The trainer's: one restart, from the checkpoint before the step it was killed in.
   assert len(out["restarts"]) == 1, (where, out["restarts"])
   assert "killed by SIGKILL" in out["restarts"][0]["cause"], (where, out["restarts"])
