@@ -310,16 +310,29 @@ def test_the_fused_step_at_a_temperature_with_tied_embeddings():
   _assert_agree(on, off)
 
 
-def test_the_fused_step_with_bf16_compute_stays_near_the_unfused():
-  """bf16 compute, fp32 master weights: both heads round their logits' gradient to bf16
-  before the two matmuls; the fused one sums the projection gradient over chunks in fp32,
-  the unfused one in bf16. Stated tolerance: 2^-6 of each leaf's largest element."""
+def test_the_fused_step_with_bf16_compute_is_as_near_the_fp32_step_as_the_unfused():
+  """bf16 compute, fp32 master weights. Both heads round their logits' gradient to bf16
+  before the two matmuls, and bf16 rounding through the layers' backward puts every
+  gradient ~3% (of its leaf's largest element) off the fp32 step's, differently for the
+  two orders of summation; so each is compared with the fp32 step (the reference): the
+  fused step's gradients no farther from it on average than 1.5x the unfused step's
+  (measured: 0.028 both), none farther than 2^-3; the log-prob metrics as the unfused
+  step's within 1e-4 (both compute the log-probs with the same operations)."""
   model_cfg = dataclasses.replace(CFG, dtype="bfloat16")
   batch = _batch(seed=6)
   cfg = losses.LossConfig()
+  ref = _step(cfg, batch)
   off = _step(cfg, batch, model_cfg=model_cfg)
   on = _step(cfg, batch, model_cfg=model_cfg, fused_head_loss=True)
-  _assert_agree(on, off, metric_rtol=1e-2, grad_tol=2 ** -6)
+  for k in off[0]:
+    tol = 2 ** -6 if k == "grad_norm" else 1e-4
+    np.testing.assert_allclose(on[0][k], off[0][k], rtol=tol, atol=1e-7, err_msg=k)
+
+  def errors(grads):
+    return {k: np.abs(grads[k] - ref[1][k]).max() / np.abs(ref[1][k]).max() for k in ref[1]}
+  e_off, e_on = errors(off[1]), errors(on[1])
+  assert max(e_on.values()) < 2 ** -3, e_on
+  assert np.mean(list(e_on.values())) <= 1.5 * np.mean(list(e_off.values())), (e_on, e_off)
 
 
 @pytest.mark.parametrize("mesh_shape", [{"fsdp": 2, "tensor": 2}, {"data": 2, "tensor": 2}])
