@@ -91,8 +91,12 @@ def test_fork_bomb_is_contained(check, isolation):
     pytest.skip("without an own uid per call RLIMIT_NPROC cannot contain a fork bomb")
   r = check("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass", timeout=1.0)
   assert r.status == "timeout"
-  r = check("import os\nwhile True:\n  os.fork()", timeout=2.0)
-  assert r.status in ("error", "killed")  # fork fails (EAGAIN) once the uid's quota is full
+  # Fork fails (EAGAIN) once the call's uid has its quota of processes, and the cell's own
+  # process dies of it. How soon depends on the host's load (a loaded 2-core host had not
+  # filled the quota in 2 s): the deadline only bounds a containment that failed.
+  r = check("import os\nwhile True:\n  os.fork()", timeout=60.0)
+  assert r.status in ("error", "killed"), r
+  assert "BlockingIOError" in r.stderr or r.status == "killed", r.stderr[-500:]
 
 
 def test_output_flood_is_capped(check):
