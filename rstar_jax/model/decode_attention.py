@@ -21,7 +21,14 @@ the layout it expects. Tests compare it with `gqa` and with the dense path.
 
 On CPU the kernel runs in Pallas's interpreter (`interpret=True`, chosen by the
 backend): correct, and slow (the grid's programs run one after another, through XLA);
-it exists there for the tests. On an NVIDIA GPU it lowers through Triton.
+it exists there for the tests. On an NVIDIA GPU it lowers through Triton (not yet
+compiled on one: the kernel has run in the interpreter only).
+
+One device per engine: compiled for a GPU the kernel is a custom call, which XLA's
+partitioner does not split, so over a cache sharded on a mesh (rows over data x fsdp,
+KV heads over tensor) it would gather the whole cache to one program. Rows and KV
+heads are independent here, so a `shard_map` over those two axes is the way to run
+it sharded; until then keep "dense" on a mesh.
 """
 from __future__ import annotations
 
