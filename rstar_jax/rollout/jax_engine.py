@@ -271,9 +271,15 @@ def _weights_mesh(state) -> Mesh | None:
 
 
 def _constrain_cache(cache, cache_sharding):
-  """`cache` held to the engine's (k, v) shardings (None: as it is). Without it GSPMD
-  chose the output layout of a prefill or decode call from the weights: KV heads over
-  tensor, every slot on every device (and donation then fails, the layouts differing)."""
+  """`cache` held to the engine's (k, v) shardings (None: as it is).
+
+  Given the cache in this layout, GSPMD kept it through every prefill and decode variant
+  on 4 CPU devices (fsdp x tensor, data x fsdp, tensor alone); the constraint makes that
+  a guarantee instead of an outcome of propagation. Left to choose (the cache passed
+  unplaced, as before it was created sharded), GSPMD took the layout from the weights:
+  KV heads over tensor, every slot on every device. A returned layout other than the
+  donated one would make each call copy the cache instead of updating it in place, and
+  compile the next call again for the new layout."""
   if cache_sharding is None:
     return cache
   k_sh, v_sh = cache_sharding
