@@ -48,6 +48,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -339,6 +340,11 @@ def test_a_fleet_under_random_kills_equals_the_uninterrupted_fleet_bit_for_bit(
   assert all(k.landed.get("step") for k in schedule), where
   sandbox, rollout, trainer = schedule
   assert rollout.landed["running"] + rollout.landed["waiting"] >= 1, where
+  # The client saw it: what the killed server held went to the other one (process 0,
+  # which drives the rollouts, logs each request it moves to another server).
+  with open(os.path.join(tmp_path, "logs", "trainer0.log")) as f:
+    other = out["info"]["rollout"][1 - rollout.victim]["url"]
+    assert re.search(rf"sglang: request \S+ goes to {re.escape(other)}\b", f.read()), where
   for k in (sandbox, rollout):
     assert [i["restarts"] for i in out["info"][k.what]] == [int(j == k.victim)
                                                            for j in range(2)], (where, out["info"])
