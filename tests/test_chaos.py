@@ -13,7 +13,8 @@ middle of a step:
 * the rollout server is killed with generation requests in flight: it is held in place
   (`/pause_generation` mode "in_place", SGLang's API: running requests keep their slots,
   none finishes) while its `/v1/loads` is read, and killed only if that reports running
-  or waiting requests; the test asserts the count it read;
+  or waiting requests; the test asserts the count it read, and that the trainer's client
+  moved the lost requests to the other server (its "request ... goes to" log lines);
 * the trainer process is killed after the step's rollouts began (a rollout server
   reported work after the previous step's metrics row) and before the step's
   checkpoint: it is stopped (SIGSTOP) while that is checked, then killed; the job must
