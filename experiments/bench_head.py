@@ -16,11 +16,19 @@ Qwen3's vocabulary at a hidden size where the head dominates (Qwen3-14B's head i
 Both programs are compiled first, then run alternately, `--repeats` times each (the
 median is reported), next to the machine's fp32 1024^3 matmul rate measured in the same
 run (experiments/roofline.py) and the load average before and after. The figures are
-written as JSON with the date, commit and CPU model.
+written as JSON with the date, commit and CPU model. `measure(...)` returns them without
+printing, and importing this module defines no flags (another script can call it, e.g. on
+an accelerator at Qwen3-14B's H=5120 in bfloat16).
+
+Measured (experiments/results/head/2026-11-28_cpu_t2048_h1024.json; AMD EPYC, 2 cores,
+load average 15-16 from other jobs, matmul peak 58-108 GFLOP/s over the run): T=2048,
+H=1024, V=151,936, fp32, entropies on: off 140 s, on 58 s (2.4x; the runs varied
+120-164 s and 45-106 s with the load). Beyond the 4/3 of the matmuls, the fused program
+makes one pass over each chunk's [chunk, V] logits where the unfused makes two (forward,
+then the recompute with its softmax and entropy terms).
 """
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import time
@@ -35,14 +43,6 @@ from experiments import results_json, roofline
 from rstar_jax.model import fused_head, qwen3
 from rstar_jax.rl import losses
 
-flags.DEFINE_integer("hidden", 1024, "hidden size H")
-flags.DEFINE_integer("vocab", 151936, "vocabulary size V (Qwen3's)")
-flags.DEFINE_integer("tokens", 2048, "positions T (one row)")
-flags.DEFINE_integer("chunk", 512, "positions whose logits exist at once (StepConfig.logprob_chunk)")
-flags.DEFINE_string("dtype", "float32", "compute dtype of the hidden states and projection")
-flags.DEFINE_bool("entropy", True, "also compute the entropies (StepConfig.compute_entropy)")
-flags.DEFINE_integer("repeats", 3, "timed runs of each way, alternating (median reported)")
-flags.DEFINE_string("json", "", "write the figures here (e.g. experiments/results/head/...)")
 FLAGS = flags.FLAGS
 
 
@@ -78,29 +78,47 @@ def build(chunk: int, with_entropy: bool, targets, mask, old, adv):
   return grad(unfused), grad(fused)
 
 
-def main(argv: Sequence[str]) -> None:
-  del argv
-  t, h, v = FLAGS.tokens, FLAGS.hidden, FLAGS.vocab
-  dtype = jnp.dtype(FLAGS.dtype)
+def _define_flags() -> None:
+  """The command line's flags (defined when run, so that importing `measure` defines none)."""
+  flags.DEFINE_integer("hidden", 1024, "hidden size H", lower_bound=1)
+  flags.DEFINE_integer("vocab", 151936, "vocabulary size V (Qwen3's)", lower_bound=1)
+  flags.DEFINE_integer("tokens", 2048, "positions T (one row)", lower_bound=1)
+  flags.DEFINE_integer("chunk", 512, "positions whose logits exist at once "
+                       "(StepConfig.logprob_chunk)", lower_bound=1)
+  flags.DEFINE_string("dtype", "float32", "compute dtype of the hidden states and projection")
+  flags.DEFINE_bool("entropy", True, "also compute the entropies (StepConfig.compute_entropy)")
+  flags.DEFINE_integer("repeats", 3, "timed runs of each way, alternating (median reported)",
+                       lower_bound=1)
+  flags.DEFINE_string("json", "", "write the figures here (e.g. experiments/results/head/...)")
+
+
+def measure(tokens: int, hidden: int, vocab: int, *, chunk: int = 512,
+            dtype: str = "float32", entropy: bool = True, repeats: int = 3) -> dict:
+  """Compiles both ways, checks they agree, times them alternately beside the matmul
+  peak; returns the figures (what `main` prints and writes)."""
+  t, h, v = tokens, hidden, vocab
+  dtype = jnp.dtype(dtype)
   load_before = os.getloadavg()[0]
-  hidden, unembed, targets, mask, old, adv = _inputs(t, h, v, dtype)
-  ways = dict(zip(("off", "on"), build(FLAGS.chunk, FLAGS.entropy, targets, mask, old, adv)))
+  x_hidden, unembed, targets, mask, old, adv = _inputs(t, h, v, dtype)
+  ways = dict(zip(("off", "on"), build(chunk, entropy, targets, mask, old, adv)))
   compile_s, out = {}, {}
   for name, fn in ways.items():
     start = time.perf_counter()
-    out[name] = jax.block_until_ready(fn(hidden, unembed))
+    out[name] = jax.block_until_ready(fn(x_hidden, unembed))
     compile_s[name] = time.perf_counter() - start
   # The two compute the same function: a figure of a wrong program would mean nothing.
   (l_off, (dh_off, dw_off)), (l_on, (dh_on, dw_on)) = out["off"], out["on"]
+  rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                           / jnp.abs(b.astype(jnp.float32)).max())
   agree = {"loss_rel": float(abs(l_on - l_off) / max(abs(l_off), 1e-30)),
-           "d_hidden_rel": float(jnp.abs(dh_on - dh_off).max() / jnp.abs(dh_off).max()),
-           "d_unembed_rel": float(jnp.abs(dw_on - dw_off).max() / jnp.abs(dw_off).max())}
+           "d_hidden_rel": rel(dh_on, dh_off), "d_unembed_rel": rel(dw_on, dw_off)}
+  del out, dh_off, dw_off, dh_on, dw_on
   peak = roofline.matmul_peak_gflops()
   times = {name: [] for name in ways}
-  for _ in range(FLAGS.repeats):
+  for _ in range(repeats):
     for name, fn in ways.items():
       start = time.perf_counter()
-      jax.block_until_ready(fn(hidden, unembed))
+      jax.block_until_ready(fn(x_hidden, unembed))
       times[name].append(time.perf_counter() - start)
   peak_after = roofline.matmul_peak_gflops()
   load_after = os.getloadavg()[0]
@@ -115,36 +133,41 @@ def main(argv: Sequence[str]) -> None:
                  "fraction_of_peak": n_matmuls * matmul / med / 1e9 / peak,
                  # the 3 matmuls the gradient needs, over the time taken
                  "useful_gflops": 3 * matmul / med / 1e9})
-  speedup = rows[0]["median_s"] / rows[1]["median_s"]
+  return {**results_json.stamp(), "backend": jax.default_backend(), "jax": jax.__version__,
+          "device_kind": jax.devices()[0].device_kind,
+          "load_before": load_before, "load_after": load_after,
+          "matmul_peak_gflops": [peak, peak_after],
+          "shape": {"tokens": t, "hidden": h, "vocab": v, "chunk": chunk,
+                    "dtype": dtype.name, "entropy": entropy},
+          "matmul_gflop": matmul / 1e9, "rows": rows,
+          "off_over_on": rows[0]["median_s"] / rows[1]["median_s"], "agreement": agree}
 
-  print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{results_json.cpu_model()}, {os.cpu_count()} CPUs, jax {jax.__version__} "
-        f"({jax.default_backend()}), load average {load_before:.1f} before, "
-        f"{load_after:.1f} after")
-  print(f"head + RL loss, forward + backward: T={t} H={h} V={v} chunk={FLAGS.chunk} "
-        f"{dtype.name} entropy={FLAGS.entropy}; one [T,H]x[H,V] product = "
-        f"{matmul / 1e9:.1f} GFLOP")
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  r = measure(FLAGS.tokens, FLAGS.hidden, FLAGS.vocab, chunk=FLAGS.chunk, dtype=FLAGS.dtype,
+              entropy=FLAGS.entropy, repeats=FLAGS.repeats)
+  shape, (peak, peak_after), agree = r["shape"], r["matmul_peak_gflops"], r["agreement"]
+  print(f"{r['date']}, {r['cpu_model']}, {r['cores']} CPUs, jax {r['jax']} ({r['backend']}, "
+        f"{r['device_kind']}), commit {r['commit']}, load average {r['load_before']:.1f} "
+        f"before, {r['load_after']:.1f} after")
+  print(f"head + RL loss, forward + backward: T={shape['tokens']} H={shape['hidden']} "
+        f"V={shape['vocab']} chunk={shape['chunk']} {shape['dtype']} "
+        f"entropy={shape['entropy']}; one [T,H]x[H,V] product = {r['matmul_gflop']:.1f} GFLOP")
   print(f"fp32 1024^3 matmul peak: {peak:.0f} GFLOP/s before, {peak_after:.0f} after")
   print(f"{'fused_head_loss':<16}{'matmuls':>8}{'median s':>10}{'runs s':>24}"
         f"{'GFLOP/s':>9}{'of peak':>9}{'useful GFLOP/s':>16}")
-  for r in rows:
-    runs = ",".join(f"{x:.2f}" for x in r["runs_s"])
-    print(f"{r['way']:<16}{r['head_matmuls']:>8}{r['median_s']:>10.3f}{runs:>24}"
-          f"{r['executed_gflops']:>9.1f}{r['fraction_of_peak']:>9.2f}"
-          f"{r['useful_gflops']:>16.1f}")
-  print(f"off / on: {speedup:.2f}x (4/3 = 1.33x if both ran at the same rate); on vs off: "
-        f"loss rel {agree['loss_rel']:.1e}, d hidden {agree['d_hidden_rel']:.1e}, "
+  for row in r["rows"]:
+    runs = ",".join(f"{x:.2f}" for x in row["runs_s"])
+    print(f"{row['way']:<16}{row['head_matmuls']:>8}{row['median_s']:>10.3f}{runs:>24}"
+          f"{row['executed_gflops']:>9.1f}{row['fraction_of_peak']:>9.2f}"
+          f"{row['useful_gflops']:>16.1f}")
+  print(f"off / on: {r['off_over_on']:.2f}x (4/3 = 1.33x if both ran at the same rate); "
+        f"on vs off: loss rel {agree['loss_rel']:.1e}, d hidden {agree['d_hidden_rel']:.1e}, "
         f"d unembed {agree['d_unembed_rel']:.1e} (of each one's largest element)")
-  results_json.write(FLAGS.json, {
-      **results_json.stamp(), "backend": jax.default_backend(), "jax": jax.__version__,
-      "device_kind": jax.devices()[0].device_kind,
-      "load_before": load_before, "load_after": load_after,
-      "matmul_peak_gflops": [peak, peak_after],
-      "shape": {"tokens": t, "hidden": h, "vocab": v, "chunk": FLAGS.chunk,
-                "dtype": dtype.name, "entropy": FLAGS.entropy},
-      "matmul_gflop": matmul / 1e9, "rows": rows, "off_over_on": speedup,
-      "agreement": agree})
+  results_json.write(FLAGS.json, r)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
