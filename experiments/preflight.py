@@ -29,8 +29,9 @@ What it prints, per device or per server (GB = 1e9 bytes):
            allocates from its static fraction: (HBM x gpus x mem_fraction - weights) /
            KV bytes per token; its concurrency in full-length trajectories (pool //
            rollout.engine.max_len). JaxEngine (rollout.backend=jax): num_engines x
-           num_slots x max_len KV tokens, all on one device beside that device's train
-           state (the cache is created unsharded), against the same usable HBM.
+           num_slots x max_len KV tokens, one device's share of it (the engine splits
+           its cache over the mesh: slots over data x fsdp, KV heads over tensor) beside
+           that device's train state, against the same usable HBM.
   demand   one step's trajectories (prompts_per_step x samples_per_prompt) at the stage's
            whole response budget (an upper bound) and at --mean_fill of it, over the
            servers at a stated --decode_tokens_per_s each: the generation time a step.
@@ -327,12 +328,23 @@ def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[pc.Problem],
       problems.append(pc.Problem("layout.servers_per_node", "no rollout server in the layout "
                               "(no rollout node or servers_per_node=0)"))
   else:
+    # The engine splits its cache over the trainer's mesh, and refuses a layout that
+    # does not divide it (rollout/jax_engine.py: cache_specs).
+    from rstar_jax.rollout import jax_engine
+    cache_shards = 1
+    try:
+      cache_shards = (jax_engine.cache_bytes_per_device(model_cfg, eng)
+                      // jax_engine.cache_bytes_per_device(model_cfg, eng, sizes,
+                                                           mesh.logical_rules()))
+    except ValueError as e:
+      problems.append(pc.Problem("rollout.engine.num_slots", str(e)))
     rmem = pc.jax_engine_memory(model_cfg, num_slots=eng.num_slots, max_len=eng.max_len,
                              num_engines=rollout.num_engines,
                              cache_dtype=eng.cache_dtype or model_cfg.dtype,
                              device_bytes=layout.hbm_bytes,
                              usable_fraction=layout.trainer_mem_fraction,
-                             resident_bytes=state_per_device + stash)
+                             resident_bytes=state_per_device + stash,
+                             cache_shards=cache_shards)
     servers = rollout.num_engines
   problems += pc.rollout_problems(rmem)
   for s in shapes:
@@ -449,9 +461,14 @@ def report(sections, model_cfg, layout: Layout, checks: dict, *, plans, decode_t
   wdt = sections.rollout.weight_sync.dtype
   wb = pc.weight_bytes(model_cfg, wdt)
   if rmem.backend == "sglang":
-    lines.append(f"weight sync a step: {_gb(wb)} ({wdt}) written by trainer process 0, read by "
-                 f"{servers} servers ({_gb(wb * servers)}); write + read at" + ";".join(
-                     f" {bw:g} GB/s: {wb / (bw * pc.GB):.0f} s + "
+    # Every trainer process writes its share at once (hf_io.save_hf(parallel=True)): the
+    # write takes wb / bw when the storage's total bandwidth is the limit, wb / (n * bw) when
+    # each trainer node's own link is; every server then reads the whole version.
+    n = layout.trainer_nodes
+    lines.append(f"weight sync a step: {_gb(wb)} ({wdt}) written by the {n} trainer processes "
+                 f"at once (~{_gb(wb / n)} each), read by {servers} servers "
+                 f"({_gb(wb * servers)}); write (storage-bound / node-bound) + read at" + ";".join(
+                     f" {bw:g} GB/s: {wb / (bw * pc.GB):.0f} / {wb / (n * bw * pc.GB):.0f} s + "
                      f"{wb * servers / (bw * pc.GB):.0f} s"
                      for bw in storage_gbps))
   else:

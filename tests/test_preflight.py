@@ -142,7 +142,19 @@ def test_cli_refuses_a_misfit_with_exit_2_naming_the_field():
   assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
   verdict = out.stdout.split("verdict: does not fit", 1)[1]
   assert "rollout.backend: 'jax'" in verdict
+  # Over the layout's 32-device mesh the engine would split its cache (fsdp 8 x tensor 4):
+  # 4.4 GB a device fits; the in-process backend across processes is what is refused.
+  assert "rollout.engine.num_slots" not in verdict, verdict
+  # On one device the same engine is refused by its cache alone.
+  out = _run("--plan=false", "--config.rollout.backend=jax",
+             "--config.rollout.engine.num_slots=64", "--config.mesh.enabled=False",
+             f"--layout={CFG}:layout", "--layout.accelerator=H200", "--layout.nodes=1",
+             "--layout.gpus_per_node=1", "--layout.trainer_nodes=1",
+             "--layout.servers_per_node=0")
+  assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+  verdict = out.stdout.split("verdict: does not fit", 1)[1]
   assert "rollout.engine.num_slots: the JaxEngine KV cache (851,968 tokens: 139.6 GB)" in verdict
+  assert "rollout.backend: 'jax'" not in verdict, verdict
   # The layout for the batch script: the same checks, then shell assignments.
   out = _run("--print_layout")
   assert out.returncode == 0, out.stderr[-3000:]

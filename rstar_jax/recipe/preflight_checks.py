@@ -85,9 +85,10 @@ class RolloutMemory:
   usable_bytes: float        # what the server / the trainer process may allocate
   weight_bytes: float        # weights held for generation (0: the trainer's, shared)
   resident_bytes: float      # other memory on that device (the train state: jax backend)
-  kv_bytes: float            # the KV cache / token pool
+  kv_bytes: float            # the KV cache / token pool (this device's share of it)
   kv_tokens: int             # tokens it holds
   max_len: int               # tokens one trajectory may reach
+  kv_shards: int = 1         # devices the JaxEngine's cache is split over
 
   @property
   def concurrent(self) -> int:
@@ -102,16 +103,20 @@ class RolloutMemory:
 def jax_engine_memory(cfg, *, num_slots: int, max_len: int, num_engines: int = 1,
                       cache_dtype: str = "bfloat16", device_bytes: float,
                       usable_fraction: float = 0.9, resident_bytes: float = 0.0,
-                      weight_bytes_held: float = 0.0) -> RolloutMemory:
-  """The JaxEngines' KV caches: [num_slots, max_len] per layer for K and V, each engine
-  its own, created unsharded on one device (the engines read the trainer's parameters:
-  `resident_bytes` is what the trainer keeps on that device)."""
+                      weight_bytes_held: float = 0.0, cache_shards: int = 1) -> RolloutMemory:
+  """The JaxEngines' KV caches on one device: [num_slots, max_len] per layer for K and V,
+  each engine its own, split over `cache_shards` devices (on a mesh the engine creates it
+  sharded: `rollout.jax_engine.cache_bytes_per_device`; 1: one device holds it whole).
+  The engines read the trainer's parameters: `resident_bytes` is what the trainer keeps
+  on that device."""
+  if cache_shards < 1:
+    raise ValueError(f"jax_engine_memory: cache_shards={cache_shards!r} must be >= 1")
   tokens = num_engines * num_slots * max_len
   return RolloutMemory(backend="jax", device_bytes=device_bytes,
                        usable_bytes=device_bytes * usable_fraction,
                        weight_bytes=weight_bytes_held, resident_bytes=resident_bytes,
-                       kv_bytes=tokens * kv_bytes_per_token(cfg, cache_dtype),
-                       kv_tokens=tokens, max_len=max_len)
+                       kv_bytes=tokens * kv_bytes_per_token(cfg, cache_dtype) / cache_shards,
+                       kv_tokens=tokens, max_len=max_len, kv_shards=cache_shards)
 
 
 def sglang_server_memory(cfg, *, device_bytes: float, gpus_per_server: int = 1,
@@ -141,7 +146,8 @@ def rollout_problems(mem: RolloutMemory, *, backend: str = "") -> list[Problem]:
       fit = max(0, int(room // per_slot)) if per_slot else 0
       out.append(Problem(
           "rollout.engine.num_slots",
-          f"the JaxEngine KV cache ({mem.kv_tokens:,} tokens: {mem.kv_bytes / GB:.1f} GB) "
+          f"the JaxEngine KV cache ({mem.kv_tokens:,} tokens: {mem.kv_bytes / GB:.1f} GB"
+          + (f" a device, split over {mem.kv_shards}" if mem.kv_shards > 1 else "") + ") "
           f"and {(mem.weight_bytes + mem.resident_bytes) / GB:.1f} GB of the trainer's "
           f"on one device need {mem.total_bytes / GB:.1f} GB > "
           f"{mem.usable_bytes / GB:.1f} GB usable of {mem.device_bytes / GB:.0f}; fix: "
@@ -166,8 +172,8 @@ def rollout_problems(mem: RolloutMemory, *, backend: str = "") -> list[Problem]:
 
 def check_rollout_memory(model_cfg, rollout_cfg, *, device_bytes: float,
                          usable_fraction: float = 0.9, sglang_mem_fraction: float = 0.85,
-                         gpus_per_server: int = 1, trainer_resident_bytes: float = 0.0
-                         ) -> list[Problem]:
+                         gpus_per_server: int = 1, trainer_resident_bytes: float = 0.0,
+                         cache_shards: int = 1) -> list[Problem]:
   """The rollout-memory check from a Qwen3Config and a RolloutConfig, cheap and pure:
   what the recipe runs at start with the local device's memory (for the jax backend,
   `trainer_resident_bytes` = the train state on device 0), and experiments.preflight
@@ -183,5 +189,5 @@ def check_rollout_memory(model_cfg, rollout_cfg, *, device_bytes: float,
                             num_engines=rollout_cfg.num_engines,
                             cache_dtype=eng.cache_dtype or model_cfg.dtype,
                             device_bytes=device_bytes, usable_fraction=usable_fraction,
-                            resident_bytes=trainer_resident_bytes)
+                            resident_bytes=trainer_resident_bytes, cache_shards=cache_shards)
   return rollout_problems(mem)

@@ -373,7 +373,7 @@ class Context:
     caller (an RL trainer) moves the engines onto its own parameters."""
     if self.engines is None:
       self.engines = backends.build_engine_pool(self.config.rollout, model,
-                                                workdir=self.workdir)
+                                                workdir=self.workdir, rules=self.rules)
     if sync:
       self.engines.update_weights(nnx.state(model), version)
     return self.engines
@@ -801,23 +801,35 @@ def local_device_memory() -> tuple[float, float, str]:
 
 def check_rollout_memory(cfg: RecipeConfig) -> None:
   """The cheap part of `experiments.preflight`, run at start: the in-process engines'
-  KV cache (rollout.backend="jax": created whole on this process's first device, beside
-  the train state) against that device's memory, from the config's architecture alone
+  KV cache (rollout.backend="jax": on this process's first device beside the train
+  state, or its share of each device on a mesh) against that device's memory, from the config's architecture alone
   (model.hf_dir's config.json, or the preset with its overrides): a cache that cannot
   fit is a ConfigError naming the field, the bytes and the fix, before any weights
   load or engine is built. Rollout servers hold their own caches (not checked here:
   `python -m experiments.preflight` checks a layout's)."""
   if cfg.rollout.backend != "jax":
     return
+  from rstar_jax.rollout import jax_engine
   arch = preflight_checks.model_architecture(cfg.model)
   device_bytes, usable, what = local_device_memory()
   # The train state's share of this device (parameters and AdamW's moments over the
   # mesh): a floor of what the trainer keeps beside the cache.
-  devices = cfg.mesh.make().size if cfg.mesh.enabled else 1
+  mesh = cfg.mesh.make() if cfg.mesh.enabled else None
+  devices = mesh.size if mesh is not None else 1
   resident = preflight_checks.checkpoint_bytes(arch, arch.param_dtype) / max(1, devices)
+  # On a mesh the engine splits its cache over it (slots over data x fsdp, KV heads over
+  # tensor) and refuses a layout that does not divide it: said here, before any weights.
+  shards = 1
+  if mesh is not None and mesh.size > 1:
+    try:
+      whole = jax_engine.cache_bytes_per_device(arch, cfg.rollout.engine)
+      shards = whole // jax_engine.cache_bytes_per_device(
+          arch, cfg.rollout.engine, dict(mesh.shape), cfg.mesh.logical_rules())
+    except ValueError as e:
+      raise config_utils.ConfigError(f"rollout.engine on mesh {dict(mesh.shape)}: {e}") from e
   problems = preflight_checks.check_rollout_memory(
       arch, cfg.rollout, device_bytes=device_bytes, usable_fraction=usable,
-      trainer_resident_bytes=resident)
+      trainer_resident_bytes=resident, cache_shards=shards)
   if problems:
     raise config_utils.ConfigError(
         "; ".join(map(str, problems)) + f" (device memory: {what}, "

@@ -15,6 +15,7 @@ import dataclasses
 import os
 from typing import Callable, Sequence
 
+from rstar_jax import sharding
 from rstar_jax.registry import Registry
 from rstar_jax.rollout import scheduler
 from rstar_jax.rollout.engine import Engine
@@ -75,10 +76,13 @@ class RolloutConfig:
 
 
 @BACKENDS.register("jax")
-def _jax_engines(cfg: RolloutConfig, model) -> list[Engine]:
+def _jax_engines(cfg: RolloutConfig, model, *, rules=sharding.DEFAULT_RULES) -> list[Engine]:
+  """`rules`: the mesh's logical axis rules (`mesh.rules`), which also place the KV cache
+  when the model's weights are spread over a mesh."""
   if model is None:
     raise ValueError("rollout.backend='jax' generates with the trainer's model; none given")
-  return [JaxEngine(model, cfg.engine, name=f"jax{i}") for i in range(cfg.num_engines)]
+  return [JaxEngine(model, cfg.engine, name=f"jax{i}", rules=rules)
+          for i in range(cfg.num_engines)]
 
 
 _HTTP_BACKENDS = ("sglang", "server")
@@ -86,9 +90,11 @@ _HTTP_BACKENDS = ("sglang", "server")
 
 @BACKENDS.register("sglang")
 @BACKENDS.register("server")
-def _http_engines(cfg: RolloutConfig, model) -> list[Engine]:
+def _http_engines(cfg: RolloutConfig, model, *, rules=None) -> list[Engine]:
   """One SGLangEngine per URL in `cfg.servers`, failing over to each other. The model
-  is not used to generate; when given, the servers' model is checked against it."""
+  is not used to generate; when given, the servers' model is checked against it. `rules`
+  is not used: each server places its own cache."""
+  del rules
   from rstar_jax.model import hf_io
   from rstar_jax.rollout import sglang_engine
   expected = None
@@ -97,13 +103,14 @@ def _http_engines(cfg: RolloutConfig, model) -> list[Engine]:
   return sglang_engine.connect(cfg.servers, config=cfg.client, expected_model=expected)
 
 
-def build_engine_pool(cfg: RolloutConfig, model=None, *, workdir: str | None = None
-                      ) -> scheduler.EnginePool:
+def build_engine_pool(cfg: RolloutConfig, model=None, *, workdir: str | None = None,
+                      rules=None) -> scheduler.EnginePool:
   """The engines of `cfg.backend` behind one scheduler. Stop it with `pool.stop()`.
 
   HTTP backends with a `model` get a DiskWeightSync writing to `cfg.weight_sync.dir`, or
-  to `<workdir>/weight_sync` when that is empty."""
-  engines = BACKENDS.lookup(cfg.backend)(cfg, model)
+  to `<workdir>/weight_sync` when that is empty. `rules`: the mesh's logical axis rules
+  (`config.mesh.logical_rules()`; None: the defaults)."""
+  engines = BACKENDS.lookup(cfg.backend)(cfg, model, rules=rules or sharding.DEFAULT_RULES)
   sync = None
   if cfg.backend in _HTTP_BACKENDS and model is not None:
     directory = cfg.weight_sync.dir or (os.path.join(workdir, "weight_sync") if workdir else "")

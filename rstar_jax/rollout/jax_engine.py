@@ -42,7 +42,7 @@ import functools
 import math
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from flax import nnx
 import jax
@@ -452,6 +452,13 @@ class JaxEngine:
       # The cache comes back from every call committed: so must the first call's, or
       # that shape compiles twice.
       return sharding.committed(init()), None
+    if getattr(model.cfg, "decode_attention_impl", "dense") == "pallas":
+      # The Pallas decode kernel is one custom call XLA cannot split: over a sharded cache
+      # it would gather the whole cache to every device at each step.
+      raise ValueError("Qwen3Config.decode_attention_impl='pallas' reads the KV cache through "
+                       "one kernel call, which a cache split over a mesh "
+                       f"({dict(mesh.shape)}) would gather whole at every step; fix: "
+                       "decode_attention_impl='dense' on a mesh, or one device per engine")
     specs = cache_specs(model.cfg, cfg, mesh.shape, rules)
     want = cache_shapes(model.cfg, cfg)
     abstract = jax.eval_shape(init)

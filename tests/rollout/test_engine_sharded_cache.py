@@ -222,3 +222,36 @@ def test_cache_bytes_per_device_for_qwen3_14b():
     jax_engine.cache_bytes_per_device(cfg, ecfg, {"fsdp": -1})
   with pytest.raises(ValueError, match=r"mesh_shape: unknown axes \['pipe'\]"):
     jax_engine.cache_bytes_per_device(cfg, ecfg, {"pipe": 2})
+
+
+def test_pallas_decode_attention_is_refused_on_a_mesh(model):
+  """The Pallas decode kernel is one custom call: over a cache split on a mesh XLA would
+  gather the whole cache every step, so the engine refuses it, naming the field."""
+  mesh = _mesh({"data": 1, "fsdp": 4, "tensor": 1})
+  pallas = qwen3.create_model(dataclasses.replace(CFG, decode_attention_impl="pallas"), seed=0)
+  with pytest.raises(ValueError, match=r"decode_attention_impl='pallas'.*fix: "
+                                       r"decode_attention_impl='dense' on a mesh"):
+    JaxEngine(sharding.shard_model(pallas, mesh), EngineConfig(num_slots=4, max_len=32))
+
+
+def test_the_preflight_memory_counts_one_device_s_share_of_the_cache():
+  """The recipe's start check and experiments.preflight count the cache a device holds:
+  the whole on one device, 1/shards of it on a mesh; a misfit names the split."""
+  from rstar_jax.recipe import preflight_checks as pc
+  cfg = get_preset("qwen3-14b")
+  ecfg = EngineConfig(num_slots=64, max_len=13_312, cache_dtype="bfloat16")
+  whole = jax_engine.cache_bytes_per_device(cfg, ecfg)
+  per = jax_engine.cache_bytes_per_device(cfg, ecfg, {"fsdp": 8})
+  one = pc.jax_engine_memory(cfg, num_slots=64, max_len=13_312, device_bytes=80e9)
+  split = pc.jax_engine_memory(cfg, num_slots=64, max_len=13_312, device_bytes=80e9,
+                               cache_shards=whole // per)
+  assert one.kv_bytes == whole and split.kv_bytes == per
+  [problem] = pc.rollout_problems(one)
+  assert problem.field == "rollout.engine.num_slots" and "139.6 GB)" in str(problem)
+  assert pc.rollout_problems(split) == []        # 17.4 GB a device of 72 usable
+  small = pc.jax_engine_memory(cfg, num_slots=64, max_len=13_312, device_bytes=16e9,
+                               cache_shards=8)
+  [problem] = pc.rollout_problems(small)
+  assert "17.4 GB a device, split over 8)" in str(problem)
+  with pytest.raises(ValueError, match="cache_shards=0"):
+    pc.jax_engine_memory(cfg, num_slots=64, max_len=13_312, device_bytes=80e9, cache_shards=0)
