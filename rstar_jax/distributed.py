@@ -83,6 +83,18 @@ def _slurm_tasks() -> int:
   return _env_int("SLURM_NTASKS") or _env_int("SLURM_NPROCS") or 0
 
 
+def _is_loopback(address: str) -> bool:
+  """Whether `address` (host:port) names this host's loopback (127.0.0.0/8, ::1, localhost)."""
+  import ipaddress
+  host = address.rsplit(":", 1)[0].strip("[]")
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False   # a host name: the coordinator must be reachable from other nodes
+
+
 def resolve(cfg: DistributedConfig) -> dict[str, Any] | None:
   """The arguments of `jax.distributed.initialize`, or None for a single process.
 
@@ -106,7 +118,12 @@ def resolve(cfg: DistributedConfig) -> dict[str, Any] | None:
       raise ValueError(f"distributed: process_id {pid} is not below num_processes {count}")
     if count == 1:
       return None
-    return {"coordinator_address": address, "num_processes": count, "process_id": pid}
+    args = {"coordinator_address": address, "num_processes": count, "process_id": pid}
+    if _is_loopback(address):
+      # A job on one host: the coordinator listens there only (JAX binds every address,
+      # [::], unless told), so a local run is not reachable from the host's network.
+      args["coordinator_bind_address"] = address
+    return args
   if _slurm_tasks() > 1:
     return {}
   return None

@@ -24,6 +24,17 @@ def test_explicit_fields():
                             "process_id": 0}
 
 
+def test_a_loopback_coordinator_binds_loopback_only():
+  """A job on one host (tests, local clusters) keeps JAX's coordinator off the host's
+  network: it binds the loopback address it is reached at, not JAX's default [::]."""
+  for address in ("127.0.0.1:1234", "127.0.0.11:9", "[::1]:7", "localhost:5"):
+    cfg = d.DistributedConfig(coordinator_address=address, num_processes=2, process_id=1)
+    assert d.resolve(cfg)["coordinator_bind_address"] == address
+  for address in ("10.0.0.1:1234", "node1:1234"):
+    cfg = d.DistributedConfig(coordinator_address=address, num_processes=2, process_id=0)
+    assert "coordinator_bind_address" not in d.resolve(cfg)
+
+
 def test_environment_and_explicit_fields_mix(monkeypatch):
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "h0:9")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")

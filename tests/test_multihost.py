@@ -120,6 +120,19 @@ from rstar_jax import distributed as d
 pid = int(sys.argv[1])
 d.initialize(d.DistributedConfig(coordinator_address=sys.argv[2], num_processes=2, process_id=pid))
 if pid == 0:
+  # Where the coordinator listens (the kernel's socket tables, little-endian hex).
+  import socket
+  port, found = int(sys.argv[2].rsplit(":", 1)[1]), []
+  for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for line in open(table).read().splitlines()[1:]:
+      local, state = line.split()[1], line.split()[3]
+      host, p = local.split(":")
+      if int(p, 16) == port and state == "0A":   # LISTEN
+        raw = bytes.fromhex(host)
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        ip = socket.inet_ntop(family, raw)
+        found.append(ip[7:] if ip.startswith("::ffff:") and "." in ip else ip)  # v4-mapped
+  print("coordinator listens on", sorted(found))
   time.sleep(35)   # process 0 busy on its own (gloo's context set-up waits 30 s at most)
 d.barrier("after the stall")
 print("through the barrier")
@@ -168,6 +181,7 @@ def test_a_process_busy_past_gloos_30_s_does_not_break_the_next_collective(pytes
   logs = _wait_all(procs, 200)
   for log in logs:
     assert "through the barrier" in log and "done" in log, log[-2000:]
+  assert "coordinator listens on ['127.0.0.1']" in logs[0], logs[0][-2000:]
   assert "raised ZeroDivisionError" in logs[0]
   assert ("raised a block of process 0: process 0 failed (ZeroDivisionError: division by "
           "zero)") in logs[1], logs[1][-2000:]
