@@ -20,12 +20,14 @@ written as JSON with the date, commit and CPU model. `measure(...)` returns them
 printing, and importing this module defines no flags (another script can call it, e.g. on
 an accelerator at Qwen3-14B's H=5120 in bfloat16).
 
-Measured (experiments/results/head/2026-11-28_cpu_t2048_h1024.json; AMD EPYC, 2 cores,
-load average 15-16 from other jobs, matmul peak 58-108 GFLOP/s over the run): T=2048,
-H=1024, V=151,936, fp32, entropies on: off 140 s, on 58 s (2.4x; the runs varied
-120-164 s and 45-106 s with the load). Beyond the 4/3 of the matmuls, the fused program
-makes one pass over each chunk's [chunk, V] logits where the unfused makes two (forward,
-then the recompute with its softmax and entropy terms).
+Measured on a 2-core AMD EPYC host (experiments/results/head/2026-11-28_cpu_t2048_h1024*.json),
+T=2048, H=1024, V=151,936, fp32, chunk 512, medians of 3:
+  entropies on (the step's default), load 5-7, peak 146-484 GFLOP/s over the run: off
+    18.5 s, on 7.8 s (2.4x); an earlier run at load 15-16: 140 s and 58 s (2.4x);
+  entropies off, load 8-12: off 29.9 s, on 22.7 s (1.32x: the 4/3 of the matmuls).
+Beyond the matmuls, with entropies the unfused backward passes over each chunk's
+[chunk, V] logits again for the softmax and the entropy terms, where the fused program
+makes one pass in the forward.
 """
 from __future__ import annotations
 
