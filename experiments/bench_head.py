@@ -2,7 +2,8 @@ r"""The output head and the RL loss, forward + backward, with `StepConfig.fused_
 off and on, side by side in one run.
 
   python -m experiments.bench_head [--hidden=1024] [--vocab=151936] [--tokens=2048] \
-      [--chunk=512] [--dtype=float32] [--repeats=3] [--json=experiments/results/head/<date>_cpu.json]
+      [--chunk=512] [--dtype=float32] [--repeats=3] \
+      [--json=experiments/results/head/<date>_cpu.json]
 
 What is timed is the part of the RL step the option changes: hidden states [1, T, H] and
 the output projection [H, V] -> per-token log-probs (and entropies, as the step computes
