@@ -302,6 +302,41 @@ def check_at_most(value: float | None, key: str) -> bool | None:
   return None if value is None else value <= TARGETS[key]
 
 
+def parse_lever(text: str) -> tuple[str, str, Any]:
+  """`step.<field>=<value>` or `model.<field>=<value>` -> (where, field, value), the value
+  read as a bool, int, float or string; a field the config does not have is refused."""
+  import dataclasses as dc
+  from rstar_jax.model import config as model_config
+  from rstar_jax.train import step as core
+  where, _, rest = text.partition(".")
+  field, eq, raw = rest.partition("=")
+  known = {"step": {f.name for f in dc.fields(core.StepConfig)},
+           "model": {f.name for f in dc.fields(model_config.Qwen3Config)}}
+  if where not in known or not eq or field not in known[where]:
+    raise ValueError(f"--levers: {text!r} is not step.<field>=<value> or model.<field>=<value> "
+                     f"with a field of StepConfig {sorted(known['step'])} or Qwen3Config")
+  value: Any = raw
+  if raw.lower() in ("true", "false"):
+    value = raw.lower() == "true"
+  else:
+    for kind in (int, float):
+      try:
+        value = kind(raw)
+        break
+      except ValueError:
+        pass
+  return where, field, value
+
+
+def check_lever(base_loss: float | None, lever_loss: float | None) -> tuple[bool | None, float | None]:
+  """(met, relative difference of the lever's first loss from the base step's): a lever
+  that did not run, or whose base did not, is not met."""
+  if base_loss is None or lever_loss is None:
+    return False, None
+  rel = abs(lever_loss - base_loss) / max(abs(base_loss), 1e-6)
+  return rel <= TARGETS["lever_loss_rel_diff_max"], rel
+
+
 def _define_flags() -> None:
   """The command's flags, defined when it runs (`__main__`), not on import: the tests
   import the check functions beside other entry points' modules with flags of these
@@ -316,6 +351,11 @@ def _define_flags() -> None:
   flags.DEFINE_list("attention_impls", ["chunked", "blockwise", "dot_product"],
                     "attention implementations timed in the train step (the 14B config's "
                     "own, resolved on this device, is added if missing)")
+  flags.DEFINE_list("levers", [],
+                    "train-step levers, each timed as a case of its own at the first --seq_lens "
+                    "with the 14B config's attention, beside the same step without it: "
+                    "step.<StepConfig field>=<value> or model.<Qwen3Config field>=<value>, "
+                    "e.g. step.fused_head_loss=true,model.remat_policy=save_qkv_attn")
   flags.DEFINE_integer("steps", 3, "timed train steps per case, after the compile step",
                        lower_bound=1)
   flags.DEFINE_integer("slots", 64, "JaxEngine slots in the rollouts section", lower_bound=1)
@@ -611,6 +651,30 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
     print(f"train_step {impl} seq {seq}: " + (
         f"{1e3 * run['median_s']:.1f} ms, MFU {run['mfu']}" if run["ok"] else run["error"][:300]),
         flush=True)
+  # The levers, one case each beside the base case (own attention, first sequence length,
+  # the same batch), so a lever's time and loss are compared within one run.
+  lever_runs = []
+  for text in FLAGS.levers:
+    where, field, value = parse_lever(text)
+    seq = sz["train_seqs"][0]
+    run = {"lever": text, "attention_impl": own, "seq": seq, "batch": batch_n}
+    t0 = time.perf_counter()
+    try:
+      model_over = {field: value} if where == "model" else {}
+      cfg = slice_config(**dict({"attention_impl": own}, **model_over))
+      batch = step_timing.random_batch(cfg.vocab_size, batch_n, seq, row_multiple=rows,
+                                       length_multiple=64 if not FLAGS.tiny else 8)
+      timing = step_timing.time_train_step(
+          cfg, mesh, batch=batch, steps=FLAGS.steps, logprob_chunk=sz["logprob_chunk"],
+          compiled_text=True, step_overrides={field: value} if where == "step" else None)
+      run.update(step_timing.as_dict(timing, peaks), ok=True, peak_bytes=_peak_bytes())
+    except Exception as e:
+      run.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+    run["seconds"] = time.perf_counter() - t0
+    lever_runs.append(run)
+    print(f"train_step lever {text}: " + (
+        f"{1e3 * run['median_s']:.1f} ms, MFU {run['mfu']}" if run["ok"] else run["error"][:300]),
+        flush=True)
   by = {(r["attention_impl"], r["seq"]): r for r in runs if r["ok"]}
   seq0 = sz["train_seqs"][0]
   accel = _accelerator()
@@ -644,8 +708,18 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
   failed = [f"{r['attention_impl']}@{r['seq']}" for r in runs if not r["ok"]]
   checks.append(_check("train-step cases that ran", len(runs) - len(failed), f"{len(runs)}",
                        not failed, ", ".join(failed)))
+  base = by.get((own, seq0))
+  for run in lever_runs:
+    met, rel = check_lever(base["loss"][0] if base else None,
+                           run["loss"][0] if run["ok"] else None)
+    note = (run.get("error", "")[:300] if not run["ok"] else "the base case failed" if not base
+            else f"step {1e3 * run['median_s']:.1f} ms vs {1e3 * base['median_s']:.1f} ms "
+                 f"without it ({base['median_s'] / run['median_s']:.2f}x)"
+                 + ("" if accel else "; CPU: timing only"))
+    checks.append(_check(f"lever {run['lever']}: first loss vs the step without it, rel. diff",
+                         rel, f"<= {TARGETS['lever_loss_rel_diff_max']:g}", met, note))
   return {"num_params": slice_config().num_params, "mesh": dict(mesh.shape), "peaks_gflops": peaks,
-          "runs": runs, "checks": checks}
+          "runs": runs, "lever_runs": lever_runs, "checks": checks}
 
 
 def _own_attention() -> str:
@@ -1239,7 +1313,7 @@ def _json_default(x):
 
 
 def _forwarded_flags() -> list[str]:
-  names = ("tiny", "layers", "seq_lens", "attention_impls", "steps", "slots",
+  names = ("tiny", "layers", "seq_lens", "attention_impls", "levers", "steps", "slots",
            "recipe_overrides", "inject_failure", "xla_cache")
   args = []
   for name in names:
@@ -1394,6 +1468,11 @@ def main(argv):
     return
   if not FLAGS.out:
     raise app.UsageError("--out DIR is required")
+  for text in FLAGS.levers:   # refused now, not after the sections before train_step ran
+    try:
+      parse_lever(text)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   scratch_given = bool(FLAGS.scratch)
   try:
     report = run_check()

@@ -91,12 +91,14 @@ def _custom_calls(hlo_text: str) -> list[str]:
 def time_train_step(cfg, mesh, *, batch: dict[str, np.ndarray], steps: int,
                     micro_batches: int = 1, logprob_chunk: int = 512,
                     learning_rate: float = 1e-6, seed: int = 0,
-                    compiled_text: bool = False) -> StepTiming:
+                    compiled_text: bool = False,
+                    step_overrides: dict | None = None) -> StepTiming:
   """Builds a model of `cfg` (random init, `seed`) and its sharded train state on `mesh`,
   compiles the RL train step for `batch` and times `steps` steps after the compile step.
 
   compiled_text: also read the custom calls of the compiled program (which attention
   kernel ran: cuDNN's fused attention shows as a `__cudnn$fmha...` target).
+  step_overrides: other StepConfig fields (the train-step levers, e.g. cast_params_once).
   """
   import jax
 
@@ -113,7 +115,8 @@ def time_train_step(cfg, mesh, *, batch: dict[str, np.ndarray], steps: int,
   del model
   step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
                             ts.StepConfig(micro_batches=micro_batches,
-                                          logprob_chunk=min(logprob_chunk, t)),
+                                          logprob_chunk=min(logprob_chunk, t),
+                                          **(step_overrides or {})),
                             mesh=mesh, state_shardings=shardings, donate=True)
   # Compiled once, ahead of time, and called directly: `step(...)` after `step.lower`
   # would compile the program a second time (jit's cache is not filled by AOT).

@@ -100,6 +100,8 @@ def _other_value(tp, current, path):
   }
   if path[-2:] == ("weight_sync", "dtype"):
     return "float32"
+  if path == ("sft", "step", "fused_head_loss"):
+    return None   # refused in SFT: test_the_rl_only_fused_head_is_refused_in_sft
   if name == "schedule":
     return "warmup_cosine" if current == "warmup_constant" else "warmup_constant"
   if name in special and special[name] is not None:
@@ -161,7 +163,17 @@ def test_every_field_is_reachable_by_its_override_path():
   # Every leaf was either set and found, or is an enumeration tested elsewhere.
   assert tried >= 150, (tried, skipped)
   assert set(skipped) <= {"tokenizer.kind", "data.kind", "tools.backend", "rollout.backend",
-                          "model.num_key_value_heads"}, skipped
+                          "model.num_key_value_heads", "sft.step.fused_head_loss"}, skipped
+
+
+def test_the_rl_only_fused_head_is_refused_in_sft():
+  """StepConfig.fused_head_loss is the RL step's lever: SFT's step does not use it, so
+  setting it there is refused (a value that validates must also run)."""
+  c = _load()
+  c.sft.step.fused_head_loss = True
+  with pytest.raises(config_utils.ConfigError, match=r"sft.*fused_head_loss=True.*Fix: leave "
+                                                     r"sft\.step\.fused_head_loss False"):
+    recipe.build_config(c)
 
 
 def test_bad_key_and_bad_type_name_the_field():

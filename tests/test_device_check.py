@@ -25,6 +25,11 @@ def _env(tmp_path):
               TMPDIR=str(tmp_path))
 
 
+# Train-step levers the full run times beside the base step (one of each kind).
+LEVERS = ("step.cast_params_once=true", "step.fused_head_loss=true",
+          "model.remat_policy=save_qkv_attn")
+
+
 def by_name_of(report):
   return {c["name"]: c for c in report["checks"]}
 
@@ -41,7 +46,7 @@ def _run(tmp_path, *args):
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("device_check")
-  run, out = _run(tmp)
+  run, out = _run(tmp, f"--levers={','.join(LEVERS)}")
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   with open(out / "device_check.json") as f:
     return json.load(f), (out / "device_check.md").read_text(), out
@@ -69,6 +74,12 @@ def test_every_section_runs_and_no_target_is_missed_on_cpu(full):
                "scripted tool calls that reached the sandbox and ran ok",
                "recipe final pass@1", "recipe RL stage mean reward"):
     assert by_name[name]["met"] is True, by_name[name]
+  # Every lever ran beside the base step and met its loss target.
+  for lever in LEVERS:
+    check = by_name[f"lever {lever}: first loss vs the step without it, rel. diff"]
+    assert check["met"] is True and check["value"] is not None, check
+  runs = report["sections"]["train_step"]["lever_runs"]
+  assert [r["lever"] for r in runs] == list(LEVERS) and all(r["ok"] for r in runs), runs
   # The memory check is n/a on a CPU (no peak bytes), never met without a measurement.
   assert by_name["measured peak / CPU-host AOT plan"]["met"] is None
 
@@ -360,3 +371,18 @@ def test_segment_check_fails_when_packed_sequences_see_each_other():
   met, detail = dc.check_segment_isolation(
       dc.segment_isolation_rel_l2(cfg, 64, merge_segments=True))
   assert met is False and "across" in detail
+
+
+def test_lever_flags_are_parsed_or_refused_and_the_lever_check_can_fail():
+  assert dc.parse_lever("step.fused_head_loss=true") == ("step", "fused_head_loss", True)
+  assert dc.parse_lever("step.micro_batches=4") == ("step", "micro_batches", 4)
+  assert dc.parse_lever("model.remat_policy=save_qkv_attn") == ("model", "remat_policy",
+                                                                "save_qkv_attn")
+  for bad in ("step.fused_head=true", "optim.lr=1", "step.fused_head_loss"):
+    with pytest.raises(ValueError, match="--levers"):
+      dc.parse_lever(bad)
+  assert dc.check_lever(2.0, 2.0) == (True, 0.0)
+  met, rel = dc.check_lever(2.0, 2.2)         # a lever that changes the maths: 10% off
+  assert met is False and abs(rel - 0.1) < 1e-12
+  assert dc.check_lever(None, 2.0) == (False, None)   # the base case failed
+  assert dc.check_lever(2.0, None) == (False, None)   # the lever failed

@@ -57,6 +57,12 @@ class SFTConfig:
         raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)!r}")
     if not 0 <= self.heldout_share < 1:
       raise ValueError(f"SFTConfig.heldout_share must be in [0, 1), got {self.heldout_share}")
+    if self.step.fused_head_loss:
+      # The fused head makes the RL loss's gradient in its forward pass; SFT's
+      # cross-entropy step does not go through it, so the value would do nothing.
+      raise ValueError("SFTConfig.step.fused_head_loss=True: the fused head is the RL "
+                       "step's (rl.step.fused_head_loss); SFT's step does not use it. Fix: "
+                       "leave sft.step.fused_head_loss False")
 
 
 def num_steps(cfg: SFTConfig, num_rows: int) -> int:
