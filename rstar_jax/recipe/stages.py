@@ -422,8 +422,9 @@ def tokenizer_dir(ctx: Context) -> str:
 def export(ctx: Context, model, stage: str) -> str:
   path = os.path.join(ctx.workdir, stage, "export")
   # The chat template makes `AutoTokenizer(...).apply_chat_template` render our protocol.
+  # Every trainer process writes its share of the tensors (one process: one file as before).
   hf_io.save_hf(model, path, dtype=model.cfg.param_dtype, tokenizer_dir=tokenizer_dir(ctx),
-                chat_template=chat.hf_chat_template(ctx.config.chat))
+                chat_template=chat.hf_chat_template(ctx.config.chat), parallel=True)
   return path
 
 
