@@ -108,7 +108,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
     rollout_cfg = dataclasses.replace(cfg.rollout, backend="server", servers=tuple(urls))
   elif engines != "process":
     raise ValueError(f"--engines: 'process' or 'servers', got {engines!r}")
-  pool = backends.build_engine_pool(rollout_cfg, first, workdir=root)
+  pool = backends.build_engine_pool(rollout_cfg, first, workdir=root, rules=ctx.rules)
   rows = []
   try:
     for k in k_values:

@@ -93,7 +93,8 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
         from rstar_jax.model import hf_io
         model = hf_io.load_hf(hf_dir, mesh=cfg.mesh.make(), rules=cfg.mesh.logical_rules(),
                               **recipe.runtime_overrides(cfg))
-        pool = backends.build_engine_pool(cfg.rollout, model, workdir=workdir)
+        pool = backends.build_engine_pool(cfg.rollout, model, workdir=workdir,
+                                          rules=cfg.mesh.logical_rules())
       else:   # the servers serve --hf_dir themselves: no weights to load or push here
         pool = backends.build_engine_pool(cfg.rollout, None, workdir=workdir)
       stack.callback(pool.stop)

@@ -337,7 +337,7 @@ def cheap_checks(sections, model_cfg, layout: Layout) -> tuple[list[pc.Problem],
                       // jax_engine.cache_bytes_per_device(model_cfg, eng, sizes,
                                                            mesh.logical_rules()))
     except ValueError as e:
-      problems.append(pc.Problem("rollout.engine.num_slots", str(e)))
+      problems.append(pc.Problem("rollout.engine", str(e)))   # the error names the field
     rmem = pc.jax_engine_memory(model_cfg, num_slots=eng.num_slots, max_len=eng.max_len,
                              num_engines=rollout.num_engines,
                              cache_dtype=eng.cache_dtype or model_cfg.dtype,

@@ -114,9 +114,9 @@ def time_train_step(cfg, mesh, *, batch: dict[str, np.ndarray], steps: int,
   graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
   del model
   step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
-                            ts.StepConfig(micro_batches=micro_batches,
-                                          logprob_chunk=min(logprob_chunk, t),
-                                          **(step_overrides or {})),
+                            ts.StepConfig(**dict(dict(micro_batches=micro_batches,
+                                                      logprob_chunk=min(logprob_chunk, t)),
+                                                 **(step_overrides or {}))),
                             mesh=mesh, state_shardings=shardings, donate=True)
   # Compiled once, ahead of time, and called directly: `step(...)` after `step.lower`
   # would compile the program a second time (jit's cache is not filled by AOT).

@@ -266,7 +266,11 @@ def gather_to(x: jax.Array, process: int) -> np.ndarray | None:
   if not multi_process():
     return np.asarray(jax.device_get(x))
   me = jax.process_index()
-  if x.is_fully_addressable:   # a process-local value: every process has its own
+  # Which branch every process takes is decided from facts all of them share (the
+  # processes holding x's devices), never from this process's own view: one that took
+  # another branch would leave the rest waiting in a collective.
+  holders = {d.process_index for d in x.sharding.device_set}
+  if len(holders) == 1:   # one process holds all of x (each process its own local value)
     return np.asarray(jax.device_get(x)) if me == process else None
   plan = _gather_plan(x.sharding, tuple(x.shape), process)
   if plan is None:   # `process` holds no device of x: only an all-gather reaches it

@@ -101,7 +101,10 @@ def _run_fleet(d, sft, log_dir, chaos=None):
   from rstar_jax.recipe import cluster
   t0 = time.perf_counter()
   pids = set()
+  from rstar_jax.recipe import cluster as cluster_lib
+  cluster_lib._local_ray_on_loopback()   # servers and the coordinator on loopback only
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+           _node_ip_address=cluster_lib.LOOPBACK,
            runtime_env={"env_vars": {"XLA_FLAGS": procs.xla_flags(), "JAX_PLATFORMS": "cpu",
                                      "PYTHONPATH": REPO}})
   try:
@@ -179,13 +182,14 @@ class Kill:
 def draw_schedule(seed: int, rollout_s: float) -> list[Kill]:
   """One kill of each kind, each in a step drawn from those that leave it a later step
   to move to (a missed one moves on): the sandbox's and the rollout server's in step 1
-  or 2, the trainer's in step 2 or 3 (a kill in step 1 would restart it from nothing,
-  not from a checkpoint; its window, rollouts to checkpoint, is wide). The delay is
+  or 2, the trainer's in step 2 (a kill in step 1 would restart it from nothing, not
+  from a checkpoint; one in step 3 would have no step to move to; its window, rollouts
+  to checkpoint, is wide). The delay is
   under 60% of `rollout_s`, the reference's shortest rollout phase (step 1's includes
   the servers' compiles), so that it falls while rollouts run."""
   rng = random.Random(seed)
   out = []
-  for what, steps in (("sandbox", (1, 2)), ("rollout", (1, 2)), ("trainer", (2, 3))):
+  for what, steps in (("sandbox", (1, 2)), ("rollout", (1, 2)), ("trainer", (2,))):
     out.append(Kill(what, rng.randrange(2), rng.choice(steps), rng.uniform(0, 0.6) * rollout_s))
   return out
 

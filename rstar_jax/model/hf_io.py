@@ -679,27 +679,35 @@ def _save_parallel(model: Qwen3, out_dir: str, dtype: str, max_shard_bytes: int,
   for fname, (process, positions) in zip(names, files):
     for i in positions:
       owner[i], file_of[i] = process, fname
-  os.makedirs(out_dir, exist_ok=True)   # every process: each writes into it
-  shards = {}
-  for fname, (process, positions) in zip(names, files):
-    if process == me:
-      shards[fname] = _StreamedShard(
-          os.path.join(out_dir, fname + ".tmp"),
-          [(entries[i][0], _hf_shape(entries[i][3], _hf_layer_shape(entries[i][1],
-                                                                    entries[i][2])))
-           for i in positions], dtype)
+  shards, setup_error = {}, None
+  try:
+    os.makedirs(out_dir, exist_ok=True)   # every process: each writes into it
+    for fname, (process, positions) in zip(names, files):
+      if process == me:
+        shards[fname] = _StreamedShard(
+            os.path.join(out_dir, fname + ".tmp"),
+            [(entries[i][0], _hf_shape(entries[i][3], _hf_layer_shape(entries[i][1],
+                                                                      entries[i][2])))
+             for i in positions], dtype)
+  except Exception as e:   # said to every process before the first gather, which would wait
+    setup_error = e
+  distributed.raise_if_any_failed(setup_error, f"save_hf {out_dir}")
   # The gathers go round the processes' shares in turn, so that every writer has work
   # from the start rather than process k's disk waiting for the shares before it.
   shares = [[i for i in range(len(entries)) if owner[i] == p] for p in range(processes)]
   order = [share[k] for k in range(max(map(len, shares), default=0))
            for share in shares if k < len(share)]
   writer = _ShardWriter(shards)
-  for i in order:
-    name, var, layer, kind = entries[i]
-    value = distributed.gather_to(_hf_layout(var.get_value(), layer=layer, kind=kind,
-                                             dtype=dtype), owner[i])
-    if value is not None:
-      writer.put(file_of[i], name, value)
+  try:
+    for i in order:
+      name, var, layer, kind = entries[i]
+      value = distributed.gather_to(_hf_layout(var.get_value(), layer=layer, kind=kind,
+                                               dtype=dtype), owner[i])
+      if value is not None:
+        writer.put(file_of[i], name, value)
+  except BaseException:
+    writer.close()   # the writer thread and its open files end with the failed export
+    raise
   distributed.raise_if_any_failed(writer.close(), f"save_hf {out_dir}")
   # Past that collective every share is on disk: process 0 completes the directory.
   weight_map = {entries[i][0]: file_of[i] for i in range(len(entries))}

@@ -394,8 +394,8 @@ def _ragged_decode(q, k_cache, v_cache, position, n):
   (an idle row) reads nothing and gives zeros; the dense path's garbage there is
   never read either. The kernel needs a multiple of 16 slots: a cache of another
   size is read through its first n slots when n is one (the engine's power-of-two
-  buckets), else padded (a copy: give such an engine a max_len that is a multiple
-  of 16)."""
+  buckets: a copy of those n slots of each row, not of the padded whole), else padded
+  (a copy of the whole: give such an engine a max_len that is a multiple of 16)."""
   size = k_cache.shape[-1]
   lengths = jnp.where(position < size, jnp.minimum(position + 1, n), 0)
   if size % 16 and n % 16 == 0:

@@ -129,7 +129,9 @@ def _local_ray_on_loopback() -> None:
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (ray._private.services.resolve_ip_for_localhost),
   which would put the servers on the host's network. Ray reads that variable once, when
   it is imported, into ray_constants.ENABLE_RAY_CLUSTER: set both (the variable for the
-  processes Ray starts, the constant for a Ray this process imported already)."""
+  processes Ray starts, the constant for a Ray this process imported already). Both stay
+  set for the rest of this process: a driver here that later joins a remote cluster would
+  report itself at 127.0.0.1 (one process, one Ray)."""
   os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
   from ray._private import ray_constants
   ray_constants.ENABLE_RAY_CLUSTER = False

@@ -198,8 +198,11 @@ def generates(config, stages: Sequence[str] | None) -> bool:
   wanted = set(stages or ALL_STAGES)
   if "eval" in wanted:
     return True
+  defaults = {f.name: f.default_factory() for f in dataclasses.fields(RecipeConfig)
+               if f.name in RL_STAGES}   # stage1 runs by default; stages 2 and 3 do not
   for name in RL_STAGES:
-    if name in wanted and _section(config, name).get("num_steps", RLStage.num_steps) > 0:
+    if name in wanted and _section(config, name).get("num_steps",
+                                                      defaults[name].num_steps) > 0:
       return True
   if "sft" in wanted:
     sft, ev = _section(config, "sft"), _section(config, "eval")
@@ -803,7 +806,8 @@ def local_device_memory() -> tuple[float, float, str]:
 def check_rollout_memory(cfg: RecipeConfig) -> None:
   """The cheap part of `experiments.preflight`, run at start: the in-process engines'
   KV cache (rollout.backend="jax": on this process's first device beside the train
-  state, or its share of each device on a mesh) against that device's memory, from the config's architecture alone
+  state, or its share of each device on a mesh) against that device's memory (on a CPU
+  every device's share in the host's memory), from the config's architecture alone
   (model.hf_dir's config.json, or the preset with its overrides): a cache that cannot
   fit is a ConfigError naming the field, the bytes and the fix, before any weights
   load or engine is built. Rollout servers hold their own caches (not checked here:
@@ -816,7 +820,10 @@ def check_rollout_memory(cfg: RecipeConfig) -> None:
   # The train state's share of this device (parameters and AdamW's moments over the
   # mesh): a floor of what the trainer keeps beside the cache.
   mesh = cfg.mesh.make() if cfg.mesh.enabled else None
-  devices = mesh.size if mesh is not None else 1
+  import jax
+  # CPU devices share the host's memory: all of the state and the cache land there.
+  host_shared = jax.local_devices()[0].platform == "cpu"
+  devices = mesh.size if mesh is not None and not host_shared else 1
   resident = preflight_checks.checkpoint_bytes(arch, arch.param_dtype) / max(1, devices)
   # On a mesh the engine splits its cache over it (slots over data x fsdp, KV heads over
   # tensor) and refuses a layout that does not divide it: said here, before any weights.
@@ -824,10 +831,11 @@ def check_rollout_memory(cfg: RecipeConfig) -> None:
   if mesh is not None and mesh.size > 1:
     try:
       whole = jax_engine.cache_bytes_per_device(arch, cfg.rollout.engine)
-      shards = whole // jax_engine.cache_bytes_per_device(
+      split = whole // jax_engine.cache_bytes_per_device(
           arch, cfg.rollout.engine, dict(mesh.shape), cfg.mesh.logical_rules())
     except ValueError as e:
       raise config_utils.ConfigError(f"rollout.engine on mesh {dict(mesh.shape)}: {e}") from e
+    shards = 1 if host_shared else split
   problems = preflight_checks.check_rollout_memory(
       arch, cfg.rollout, device_bytes=device_bytes, usable_fraction=usable,
       trainer_resident_bytes=resident, cache_shards=shards)

@@ -36,9 +36,9 @@ _TMP = re.compile(r"\.tmp-\d+$")   # a version being written (by process `pid`)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WeightSyncConfig:
   """Attributes:
-    dir: where versioned checkpoints go (`<dir>/<version>/`); every rollout server must
-      read it at the same path (shared storage on a cluster). "" = `<workdir>/weight_sync`
-      of the run.
+    dir: where versioned checkpoints go (`<dir>/<version>/`); every trainer process
+      writes its share there and every rollout server reads it, at the same path (shared
+      storage on a cluster). "" = `<workdir>/weight_sync` of the run.
     dtype: the checkpoint's dtype (bfloat16 halves the bytes of float32; servers load
       it in their own dtype).
     keep: versions kept on disk, the served one included (>= 1).
@@ -109,12 +109,14 @@ class DiskWeightSync:
     # process 0 alone renames it and talks to the servers (the name is its own). It is
     # cleared before the others learn its name, so none writes into it first.
     t0 = time.perf_counter()
-    tmp = None
-    if distributed.is_main():
+
+    def prepare() -> str:
       tmp = f"{final}.tmp-{os.getpid()}"
       shutil.rmtree(tmp, ignore_errors=True)    # a crashed earlier attempt
       os.makedirs(self.directory, exist_ok=True)
-    tmp = distributed.share_from_main(tmp)
+      return tmp
+    # on_main: a directory process 0 cannot make raises on every process (none waits).
+    tmp = distributed.on_main(prepare, f"weight sync {version}: {self.directory}")
     model = nnx.merge(self.graphdef, params)
     hf_io.save_hf(model, tmp, dtype=self.cfg.dtype, parallel=True)
     self.last = distributed.on_main(lambda: self._serve(tmp, final, version, t0),

@@ -315,8 +315,8 @@ def test_the_fused_step_with_bf16_compute_is_as_near_the_fp32_step_as_the_unfuse
   before the two matmuls, and bf16 rounding through the layers' backward puts every
   gradient ~3% (of its leaf's largest element) off the fp32 step's, differently for the
   two orders of summation; so each is compared with the fp32 step (the reference): the
-  fused step's gradients no farther from it on average than 1.5x the unfused step's
-  (measured: 0.028 both), none farther than 2^-3; the log-prob metrics as the unfused
+  fused step's gradients no farther from it on average than 2x the unfused step's
+  (measured: 0.028 both), both under 2^-4 on average, none farther than 2^-3; the log-prob metrics as the unfused
   step's within 1e-4 (both compute the log-probs with the same operations)."""
   model_cfg = dataclasses.replace(CFG, dtype="bfloat16")
   batch = _batch(seed=6)
@@ -332,7 +332,10 @@ def test_the_fused_step_with_bf16_compute_is_as_near_the_fp32_step_as_the_unfuse
     return {k: np.abs(grads[k] - ref[1][k]).max() / np.abs(ref[1][k]).max() for k in ref[1]}
   e_off, e_on = errors(off[1]), errors(on[1])
   assert max(e_on.values()) < 2 ** -3, e_on
-  assert np.mean(list(e_on.values())) <= 1.5 * np.mean(list(e_off.values())), (e_on, e_off)
+  # Absolute bounds on each against the fp32 reference (bf16 rounding's size, any CPU),
+  # and the fused no worse than twice the unfused (a margin over either's rounding).
+  assert np.mean(list(e_on.values())) < 2 ** -4 and np.mean(list(e_off.values())) < 2 ** -4
+  assert np.mean(list(e_on.values())) <= 2 * np.mean(list(e_off.values())), (e_on, e_off)
 
 
 @pytest.mark.parametrize("mesh_shape", [{"fsdp": 2, "tensor": 2}, {"data": 2, "tensor": 2}])
