@@ -530,7 +530,9 @@ def _signal_mid_run(workdir, sig, fraction: float, step_s: float):
   """Starts stage 1 (3 steps) and sends `sig` `fraction` of a step into step 2, while
   the process is frozen (SIGSTOP) and step 2 is seen unfinished: the signal lands
   before the last step by construction, not by luck. `step_s`: how long step 2 took
-  in the uninterrupted run (the delay scales with the host)."""
+  in the uninterrupted run (the delay scales with the host). Returns None, the run
+  killed, when step 2 had ended by then (this run's step 2 was faster than the
+  reference's, or this process was not scheduled in time): the caller starts again."""
   proc = _run(workdir, *RL_ARGS, wait=False)
   path = os.path.join(workdir, "stage1", "metrics_rl.jsonl")
   while proc.poll() is None and _complete_rows(path) < 1:
@@ -539,13 +541,26 @@ def _signal_mid_run(workdir, sig, fraction: float, step_s: float):
   proc.send_signal(signal.SIGSTOP)
   try:
     assert proc.poll() is None, "run ended before the signal:\n" + proc.stdout.read()[-3000:]
-    assert _complete_rows(path) == 1, "step 2 ended before the signal: it would not land " \
-                                      "before the last step"
+    if _complete_rows(path) != 1:     # step 2 ended: this signal would miss its point
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+      return None
     proc.send_signal(sig)
   finally:
-    proc.send_signal(signal.SIGCONT)
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGCONT)
   proc.wait()
   return proc
+
+
+def _retried(start, attempts: int = 4):
+  """`start(attempt)` until it returns a run whose signal landed where meant; each
+  attempt from a fresh copy, the wait shortened. Fails if none did."""
+  for attempt in range(attempts):
+    proc = start(attempt)
+    if proc is not None:
+      return proc
+  raise AssertionError(f"the signal missed its point in {attempts} attempts")
 
 
 # Several points of step 2: right after step 1 is logged (step 2's rollouts are
@@ -554,9 +569,14 @@ def _signal_mid_run(workdir, sig, fraction: float, step_s: float):
                                           (signal.SIGINT, 0.67)])
 def test_rl_interrupted_and_resumed_matches_uninterrupted(recipe_dir, straight_run, straight_rl,
                                                           tmp_path, sig, fraction):
-  d = _copy_sft(recipe_dir[0], tmp_path / "interrupted")
   step_s = straight_rl[1]["time/rollout_s"] + straight_rl[1]["time/train_s"]
-  proc = _signal_mid_run(d, sig, fraction, step_s)
+  dirs = []
+
+  def start(attempt):
+    dirs.append(_copy_sft(recipe_dir[0], tmp_path / f"interrupted{attempt}"))
+    return _signal_mid_run(dirs[-1], sig, fraction / 2 ** attempt, step_s)
+  proc = _retried(start)
+  d = dirs[-1]
   out = proc.stdout.read()
   logged = _metrics(os.path.join(d, "stage1", "metrics_rl.jsonl"))
   # The step in flight was finished and saved with ITS data position, then it stopped
@@ -686,7 +706,7 @@ HARD_EVAL_ARGS = ("--stages=stage3,eval", "--config.stage3.num_steps=1",
                   "--config.rollout.engine.num_slots=4")
 
 
-def _signal_once_journaled(workdir, journal, sig, lines=2):
+def _signal_once_journaled(workdir, journal, sig, total, lines=2):
   """Runs the stage-3-and-eval recipe; sends `sig` once `journal` holds `lines` lines
   (its header and finished trajectories). Returns (return code, output, journaled
   trajectories after the stop).
@@ -694,11 +714,23 @@ def _signal_once_journaled(workdir, journal, sig, lines=2):
   The signal must land while work remains, whatever the trajectories look like: a
   policy that writes short, broken answers (as the smoke run's does under another CPU
   rounding) evaluated 32 trajectories in 0.1 s, before a 50 ms poll saw the third line.
-  So the first finished trajectory triggers it, polled every 5 ms, and there are 64."""
+  So the first finished trajectory triggers it, polled every 5 ms, and there are 64.
+  `total`: the trajectories of the whole work. Returns None (the run killed) when the
+  work was over before the signal could land: the caller starts again from a copy."""
   proc = _run(workdir, *HARD_EVAL_ARGS, wait=False)
   while proc.poll() is None:
     if os.path.exists(journal) and len(open(journal).read().splitlines()) >= lines:
+      # Frozen while it is checked that work remains (the journal short of its whole
+      # count and the stage's result unwritten), then signalled.
+      proc.send_signal(signal.SIGSTOP)
+      done = (len(open(journal).read().splitlines()) - 1 >= total
+              or os.path.exists(journal.replace(".journal.jsonl", ".json")))
+      if done:   # the work ended before this poll ran (a loaded host): start again
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return None
       proc.send_signal(sig)
+      proc.send_signal(signal.SIGCONT)
       break
     time.sleep(0.005)
   out = proc.communicate(timeout=500)[0]
@@ -713,17 +745,25 @@ def test_a_signal_stops_the_filter_and_the_evaluation_and_reruns_resume_to_the_s
   reruns resume from the journals to what an uninterrupted run gives, file for file."""
   whole = _copy_sft(recipe_dir[0], tmp_path / "whole")
   _run(whole, *HARD_EVAL_ARGS)
-  d = _copy_sft(recipe_dir[0], tmp_path / "cut")
+  dirs = []
+
+  def start(attempt):
+    dirs.append(_copy_sft(recipe_dir[0], tmp_path / f"cut{attempt}"))
+    hard = os.path.join(dirs[-1], "stage3", "hard_subset.json")
+    return _signal_once_journaled(dirs[-1], hard[:-len(".json")] + ".journal.jsonl",
+                                  signal.SIGTERM, total=32)
+  code, out, kept = _retried(start)
+  d = dirs[-1]
   hard = os.path.join(d, "stage3", "hard_subset.json")
-  code, out, kept = _signal_once_journaled(d, hard[:-len(".json")] + ".journal.jsonl",
-                                           signal.SIGTERM)
   assert code == 128 + signal.SIGTERM, out[-3000:]
   assert "stopped by SIGTERM after" in out and "trajectories of stage3 filter" in out, out[-3000:]
   assert "run the same command again to resume" in out
   assert 0 < kept < 32 and not os.path.exists(hard)
   assert not os.path.exists(os.path.join(d, "stage3", "checkpoints"))   # stopped before RL
   journal = os.path.join(d, "eval_final.journal.jsonl")
-  code, out, kept_eval = _signal_once_journaled(d, journal, signal.SIGINT)
+  result = _signal_once_journaled(d, journal, signal.SIGINT, total=64)
+  assert result is not None, "the final evaluation was over before its signal"
+  code, out, kept_eval = result
   assert code == 128 + signal.SIGINT, out[-3000:]
   assert f"{kept} of 32 trajectories from" in out   # the filter resumed from its journal
   assert "trajectories of final" in out and os.path.exists(os.path.join(d, "stage3", "DONE.json"))
