@@ -625,17 +625,17 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
   cases += [(own, s) for s in sz["train_seqs"][1:]]
   rows = core.batch_multiple(1, mesh)
   batch_n = max(sz["train_batch"], rows)
-  runs = []
-  for impl, seq in cases:
-    run: dict[str, Any] = {"attention_impl": impl, "seq": seq, "batch": batch_n}
+  def time_case(run: dict[str, Any], label: str, model_over: dict[str, Any],
+                step_over: dict[str, Any] | None) -> dict[str, Any]:
+    """One train-step case on the slice: `run` filled with its timing (or its error)."""
     t0 = time.perf_counter()
     try:
-      cfg = slice_config(attention_impl=impl)
-      batch = step_timing.random_batch(cfg.vocab_size, batch_n, seq, row_multiple=rows,
+      cfg = slice_config(**model_over)
+      batch = step_timing.random_batch(cfg.vocab_size, batch_n, run["seq"], row_multiple=rows,
                                        length_multiple=64 if not FLAGS.tiny else 8)
       timing = step_timing.time_train_step(cfg, mesh, batch=batch, steps=FLAGS.steps,
                                            logprob_chunk=sz["logprob_chunk"],
-                                           compiled_text=True)
+                                           compiled_text=True, step_overrides=step_over)
       run.update(step_timing.as_dict(timing, peaks), ok=True, peak_bytes=_peak_bytes())
       # MFU both ways, labelled: attention FLOPs in full (PaLM; `mfu`, `flops`) and the
       # causal half (MaxText).
@@ -647,34 +647,23 @@ def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # e.g. out of memory at 12288: the other cases still count
       run.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
     run["seconds"] = time.perf_counter() - t0
-    runs.append(run)
-    print(f"train_step {impl} seq {seq}: " + (
+    print(f"train_step {label}: " + (
         f"{1e3 * run['median_s']:.1f} ms, MFU {run['mfu']}" if run["ok"] else run["error"][:300]),
         flush=True)
+    return run
+
+  runs = [time_case({"attention_impl": impl, "seq": seq, "batch": batch_n}, f"{impl} seq {seq}",
+                    {"attention_impl": impl}, None) for impl, seq in cases]
   # The levers, one case each beside the base case (own attention, first sequence length,
   # the same batch), so a lever's time and loss are compared within one run.
   lever_runs = []
   for text in FLAGS.levers:
     where, field, value = parse_lever(text)
-    seq = sz["train_seqs"][0]
-    run = {"lever": text, "attention_impl": own, "seq": seq, "batch": batch_n}
-    t0 = time.perf_counter()
-    try:
-      model_over = {field: value} if where == "model" else {}
-      cfg = slice_config(**dict({"attention_impl": own}, **model_over))
-      batch = step_timing.random_batch(cfg.vocab_size, batch_n, seq, row_multiple=rows,
-                                       length_multiple=64 if not FLAGS.tiny else 8)
-      timing = step_timing.time_train_step(
-          cfg, mesh, batch=batch, steps=FLAGS.steps, logprob_chunk=sz["logprob_chunk"],
-          compiled_text=True, step_overrides={field: value} if where == "step" else None)
-      run.update(step_timing.as_dict(timing, peaks), ok=True, peak_bytes=_peak_bytes())
-    except Exception as e:
-      run.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-    run["seconds"] = time.perf_counter() - t0
-    lever_runs.append(run)
-    print(f"train_step lever {text}: " + (
-        f"{1e3 * run['median_s']:.1f} ms, MFU {run['mfu']}" if run["ok"] else run["error"][:300]),
-        flush=True)
+    lever_runs.append(time_case(
+        {"lever": text, "attention_impl": own, "seq": sz["train_seqs"][0], "batch": batch_n},
+        f"lever {text}",
+        dict({"attention_impl": own}, **({field: value} if where == "model" else {})),
+        {field: value} if where == "step" else None))
   by = {(r["attention_impl"], r["seq"]): r for r in runs if r["ok"]}
   seq0 = sz["train_seqs"][0]
   accel = _accelerator()
