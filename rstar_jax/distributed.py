@@ -125,8 +125,49 @@ def resolve(cfg: DistributedConfig) -> dict[str, Any] | None:
       args["coordinator_bind_address"] = address
     return args
   if _slurm_tasks() > 1:
-    return {}
+    return _slurm_loopback_coordinator()
   return None
+
+
+def _slurm_head_node() -> str | None:
+  """The step's first node (where JAX's SLURM detection puts the coordinator), or None
+  when it cannot be told."""
+  nodes = os.environ.get("SLURM_STEP_NODELIST", "").strip()
+  if not nodes:
+    return None
+  if "[" not in nodes:
+    return nodes.split(",", 1)[0]
+  import subprocess
+  try:   # a compressed list, node[0-3]: SLURM's own expansion
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                         text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  first = out.stdout.split()
+  return first[0] if out.returncode == 0 and first else None
+
+
+def _slurm_loopback_coordinator() -> dict[str, Any]:
+  """`{}` (JAX detects everything from SLURM) unless the step's first node resolves to a
+  loopback address: a SLURM whose virtual nodes all live on one host (the local
+  rehearsal). There the coordinator is given that address and binds it only, as for
+  any loopback coordinator; process count and id are still JAX's to detect."""
+  import socket
+  head = _slurm_head_node()
+  job = _env_int("SLURM_JOB_ID")
+  if head is None or job is None:
+    return {}
+  try:
+    address = socket.gethostbyname(head)
+  except OSError:
+    return {}
+  if not _is_loopback(f"{address}:0"):
+    return {}
+  # JAX's own SLURM port (JAX_COORDINATOR_PORT, else the job id in the top 4,096 ports),
+  # so a requeued job (same id) and every task agree on it without talking.
+  port = _env_int("JAX_COORDINATOR_PORT") or job % 2**12 + (65535 - 2**12 + 1)
+  return {"coordinator_address": f"{address}:{port}",
+          "coordinator_bind_address": f"{address}:{port}"}
 
 
 def initialize(cfg: DistributedConfig | None = None) -> bool:

@@ -4,7 +4,8 @@ import pytest
 from rstar_jax import distributed as d
 
 _VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-         "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_ID")
+         "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_ID", "SLURM_STEP_NODELIST",
+         "JAX_COORDINATOR_PORT")
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +57,24 @@ def test_slurm_is_left_to_jax_inside_an_srun_step_only(monkeypatch):
   assert d.resolve(d.DistributedConfig()) is None
   monkeypatch.setenv("SLURM_NTASKS", "8")
   assert d.resolve(d.DistributedConfig(num_processes=1)) is None   # said: one process
+
+
+def test_a_slurm_whose_first_node_is_loopback_binds_it_only(monkeypatch):
+  """Virtual SLURM nodes on one host (the local rehearsal): JAX's coordinator on the
+  step's first node binds that node's loopback address, not every address; a real
+  node's name is left to JAX."""
+  monkeypatch.setenv("SLURM_JOB_ID", "5000")
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  monkeypatch.setenv("SLURM_STEP_ID", "0")
+  port = 5000 % 4096 + 61440
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "localhost,nodeb")
+  assert d.resolve(d.DistributedConfig()) == {
+      "coordinator_address": f"127.0.0.1:{port}",
+      "coordinator_bind_address": f"127.0.0.1:{port}"}
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "192.0.2.7,localhost")   # a routable first node
+  assert d.resolve(d.DistributedConfig()) == {}
+  monkeypatch.setenv("SLURM_STEP_NODELIST", "no-such-node.invalid")
+  assert d.resolve(d.DistributedConfig()) == {}
 
 
 def test_incomplete_or_bad_settings_are_named(monkeypatch):
