@@ -453,7 +453,7 @@ def save_hf(model: Qwen3, out_dir: str, *, dtype: str = "bfloat16",
       `out_dir` must be one directory every process sees (shared storage on a cluster).
       A write that fails on any process raises on every process.
     tokenizer_dir: a tokenizer directory whose files are copied alongside.
-    chat_template: a Jinja chat template (e.g. `rollout.chat.hf_chat_template(config)`),
+    chat_template: a Jinja chat template (e.g. `rollout.chat_template.hf_chat_template(config)`),
       stored as `chat_template` in the exported `tokenizer_config.json`, where
       transformers' `AutoTokenizer` (4.x and 5.x) and SGLang read it. Needs
       `tokenizer_dir`. A `chat_template.jinja` would take precedence in transformers,

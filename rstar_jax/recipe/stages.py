@@ -35,7 +35,7 @@ from rstar_jax.model import hf_io, qwen3
 from rstar_jax.recipe import preflight_checks
 from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
-from rstar_jax.rollout import agent_loop, backends, chat
+from rstar_jax.rollout import agent_loop, backends, chat, chat_template
 from rstar_jax.rollout import tools as tools_lib
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
@@ -427,7 +427,7 @@ def export(ctx: Context, model, stage: str) -> str:
   # The chat template makes `AutoTokenizer(...).apply_chat_template` render our protocol.
   # Every trainer process writes its share of the tensors (one process: one file as before).
   hf_io.save_hf(model, path, dtype=model.cfg.param_dtype, tokenizer_dir=tokenizer_dir(ctx),
-                chat_template=chat.hf_chat_template(ctx.config.chat), parallel=True)
+                chat_template=chat_template.hf_chat_template(ctx.config.chat), parallel=True)
   return path
 
 

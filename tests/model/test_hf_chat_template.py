@@ -1,7 +1,7 @@
 """The HF export's chat template renders exactly what our chat protocol renders.
 
 A tiny model is exported with `save_hf(..., tokenizer_dir=..., chat_template=
-chat.hf_chat_template(config))` and loaded back with transformers' AutoTokenizer; its
+chat_template.hf_chat_template(config))` and loaded back with transformers' AutoTokenizer; its
 `apply_chat_template` text must equal `ChatProtocol`'s prompt / conversation text.
 """
 import json
@@ -16,7 +16,7 @@ from rstar_jax.data import toy_task
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.model import tokenizer as tokenizer_lib
 from rstar_jax.model.config import Qwen3Config
-from rstar_jax.rollout import chat
+from rstar_jax.rollout import chat, chat_template
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,9 +60,9 @@ def exported(request, tmp_path_factory, model, tokenizer_dir):
   config = CONFIGS[request.param]
   out = str(tmp_path_factory.mktemp(f"export_{request.param}"))
   hf_io.save_hf(model, out, dtype="float32", tokenizer_dir=tokenizer_dir,
-                chat_template=chat.hf_chat_template(config))
+                chat_template=chat_template.hf_chat_template(config))
   with open(os.path.join(out, "tokenizer_config.json"), encoding="utf-8") as f:
-    assert json.load(f)["chat_template"] == chat.hf_chat_template(config)
+    assert json.load(f)["chat_template"] == chat_template.hf_chat_template(config)
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   proto = chat.ChatProtocol(tokenizer_lib.Tokenizer.from_dir(tokenizer_dir), config)
   return config, proto, hf_tok
