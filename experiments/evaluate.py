@@ -47,13 +47,13 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   import contextlib
   import dataclasses
 
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages, workdir_state
   from rstar_jax.eval import benchmarks, suite
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import backends, chat
   from rstar_jax.rollout import tools as tools_lib
 
-  cfg = recipe.build_config(config)
+  cfg = stages.build_config(config)
   if not benchmark_spec:
     raise config_utils.ConfigError(
         "--suite needs --benchmarks=NAME=PATH,... (the local file of each benchmark; "
@@ -85,14 +85,14 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
          "tools": [cfg.tools.backend, cfg.tools.timeout_s],
          "chat": dataclasses.asdict(cfg.chat)}
   with contextlib.ExitStack() as stack:
-    stack.enter_context(recipe.workdir_lock(workdir))
+    stack.enter_context(workdir_state.workdir_lock(workdir))
     tools = stack.enter_context(tools_lib.build_tools(cfg.tools))
 
     def engines():
       if cfg.rollout.backend == "jax":
         from rstar_jax.model import hf_io
         model = hf_io.load_hf(hf_dir, mesh=cfg.mesh.make(), rules=cfg.mesh.logical_rules(),
-                              **recipe.runtime_overrides(cfg))
+                              **stages.runtime_overrides(cfg))
         pool = backends.build_engine_pool(cfg.rollout, model, workdir=workdir,
                                           rules=cfg.mesh.logical_rules())
       else:   # the servers serve --hf_dir themselves: no weights to load or push here
@@ -117,7 +117,7 @@ def main(argv):
 
 
 def _main():
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   if _SUITE.value is not None:
     if _HF_DIR.value is None:
       raise config_utils.ConfigError("--suite evaluates a checkpoint: give --hf_dir")
@@ -128,9 +128,9 @@ def _main():
   if _BENCHMARKS.value or _PROTOCOL.present:
     raise config_utils.ConfigError("--benchmarks and --protocol go with --suite")
   if _HF_DIR.value is None:
-    recipe.run(_CONFIG.value, stages=["eval"])
+    stages.run(_CONFIG.value, stages=["eval"])
     return
-  print(recipe.evaluate_hf_dir(_CONFIG.value, os.path.abspath(_HF_DIR.value)).to_table())
+  print(stages.evaluate_hf_dir(_CONFIG.value, os.path.abspath(_HF_DIR.value)).to_table())
 
 
 if __name__ == "__main__":

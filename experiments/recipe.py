@@ -19,8 +19,8 @@ _STAGES = flags.DEFINE_list("stages", [], "subset of sft,stage1,stage2,stage3,ev
 
 def main(argv):
   del argv
-  from rstar_jax.recipe import stages as recipe
-  recipe.run(_CONFIG.value, stages=_STAGES.value or None)
+  from rstar_jax.recipe import stages
+  stages.run(_CONFIG.value, stages=_STAGES.value or None)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from rstar_jax import config_utils
-from rstar_jax.recipe import sweep
+from rstar_jax.recipe import sweep_overrides, sweep_points, sweep_results, sweep_runner
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "config file (path[:variant]), passed to every point unchanged",
@@ -58,9 +58,9 @@ _RECIPE_MODULES = ("experiments.recipe", "experiments.train_sft", "experiments.t
 def main(argv):
   try:
     _main(argv)
-  except sweep.SweepError as e:
+  except sweep_points.SweepError as e:
     raise config_utils.ConfigError(str(e)) from None
-  except KeyboardInterrupt:   # before any point ran (then `sweep.Stop` handles SIGINT)
+  except KeyboardInterrupt:   # before any point ran (then `sweep_runner.Stop` handles SIGINT)
     print("sweep stopped by SIGINT before any point started", file=sys.stderr)
     sys.exit(130)
 
@@ -69,7 +69,7 @@ def _main(argv):
   del argv   # config_utils.run refuses positional arguments
   if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # A background job of a non-interactive shell starts with SIGINT ignored; the sweep
-    # is stopped with it as with SIGTERM (`sweep.Stop` takes over once points run).
+    # is stopped with it as with SIGTERM (`sweep_runner.Stop` takes over once points run).
     signal.signal(signal.SIGINT, signal.default_int_handler)
   if not _WORKDIR.value:
     raise config_utils.ConfigError("--workdir is required (the sweep's directory)")
@@ -77,48 +77,48 @@ def _main(argv):
   config = _CONFIG.value
   base = dict(config_flags.get_override_values(flags.FLAGS["config"]))
 
-  config_points = sweep.load_sweep(spec) if _USE_CONFIG_SWEEP.value else None
-  axes = [sweep.parse_axis(s, config) for s in _SWEEP.value]
+  config_points = sweep_overrides.load_sweep(spec) if _USE_CONFIG_SWEEP.value else None
+  axes = [sweep_overrides.parse_axis(s, config) for s in _SWEEP.value]
   if _SEEDS.value:
     try:
-      axes.append((sweep.SEED_KEY, [int(s) for s in _SEEDS.value]))
+      axes.append((sweep_points.SEED_KEY, [int(s) for s in _SEEDS.value]))
     except ValueError:
       raise config_utils.ConfigError(f"--seeds: integers expected, got {_SEEDS.value}") from None
-  overrides = sweep.cross(config_points or [{}], sweep.product(axes))
-  sweep.check_shared(base, _CHILD_ARGS.value, overrides)
+  overrides = sweep_overrides.cross(config_points or [{}], sweep_overrides.product(axes))
+  sweep_overrides.check_shared(base, _CHILD_ARGS.value, overrides)
   build = None
   if _MODULE.value in _RECIPE_MODULES:
-    from rstar_jax.recipe import stages as recipe
-    build = recipe.build_config
-  sweep.validate(overrides, config, build=build)
-  base = {**sweep.shared_overrides(config, base, overrides, _WORKDIR.value), **base}
-  points = sweep.make_points(overrides, _WORKDIR.value)
+    from rstar_jax.recipe import stages
+    build = stages.build_config
+  sweep_overrides.validate(overrides, config, build=build)
+  base = {**sweep_overrides.shared_overrides(config, base, overrides, _WORKDIR.value), **base}
+  points = sweep_points.make_points(overrides, _WORKDIR.value)
 
-  def argv_of(p, python=sweep.python_executable()):
-    return sweep.command(p, module=_MODULE.value, config_spec=spec, base_overrides=base,
-                         python=python, extra_args=_CHILD_ARGS.value)
+  def argv_of(p, python=sweep_points.python_executable()):
+    return sweep_points.command(p, module=_MODULE.value, config_spec=spec, base_overrides=base,
+                                python=python, extra_args=_CHILD_ARGS.value)
 
   if _PRINT_ONLY.value:
     for p in points:
-      marker = sweep.finished(p, argv_of(p))
+      marker = sweep_points.finished(p, argv_of(p))
       if marker:
         print(f"# {p.name}: finished ({marker})", file=sys.stderr)
       else:
         print(shlex.join(argv_of(p, python="python")))
     return
 
-  n_done = sum(1 for p in points if sweep.finished(p, argv_of(p)))
+  n_done = sum(1 for p in points if sweep_points.finished(p, argv_of(p)))
   print(f"sweep: {len(points)} point(s) of {_MODULE.value} with {spec} in {_WORKDIR.value} "
         f"({n_done} finished before), {_WORKERS.value} at once")
   for p in points:
     print(f"  {p.name}")
-  sweep.write_manifest(_WORKDIR.value, points, argv_of)
+  sweep_points.write_manifest(_WORKDIR.value, points, argv_of)
   # Held until the tables are written: a signal then, or one to a sweep whose points
   # all ended, still ends the sweep with 128 + signal after the tables.
-  with sweep.Stop() as stop:
-    outcomes = sweep.run_points(points, argv_of, workers=_WORKERS.value, stop=stop)
-    sweep.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
-    print(sweep.write_tables(_WORKDIR.value, points, outcomes))
+  with sweep_runner.Stop() as stop:
+    outcomes = sweep_runner.run_points(points, argv_of, workers=_WORKERS.value, stop=stop)
+    sweep_points.write_manifest(_WORKDIR.value, points, argv_of, outcomes)
+    print(sweep_results.write_tables(_WORKDIR.value, points, outcomes))
     print(f"tables: {_WORKDIR.value}/results.md, results.csv, results_seeds.csv")
   bad = [o for o in outcomes if o.status in ("failed", "interrupted", "not started")]
   for status in ("failed", "interrupted", "not started"):

@@ -42,19 +42,19 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   from rstar_jax.data import toy_task
 
   import dataclasses
-  config = recipe.build_config(_CONFIG.value)
+  config = stages.build_config(_CONFIG.value)
   if config.data.kind != "toy":
     raise config_utils.ConfigError("toy_sft_curve needs config.data.kind='toy'")
   with tempfile.TemporaryDirectory() as tmp:
     config = dataclasses.replace(config, workdir=tmp)
-    ctx = recipe.build_context(config, tools=None)
-    model = recipe.initial_model(config, ctx.tokenizer, ctx.mesh, ctx.rules)
-    trainer = recipe.sft_trainer_for(ctx, model, os.path.join(tmp, "sft"))
-    problems = recipe.sources.toy_problems_for(config.data, _PROBE.value,
+    ctx = stages.build_context(config, tools=None)
+    model = stages.initial_model(config, ctx.tokenizer, ctx.mesh, ctx.rules)
+    trainer = stages.sft_trainer_for(ctx, model, os.path.join(tmp, "sft"))
+    problems = stages.sources.toy_problems_for(config.data, _PROBE.value,
                                                seed=config.seed + 30_000)
     arr, mask, in_code = toy_task.copy_probe(ctx.proto, problems, seed=config.seed + 30_001)
     kinds = [p.kind for p in problems]
@@ -94,7 +94,7 @@ def main(argv):
 
     trainer.run(progress=False, on_step=probe)
     if _SAVE.value:
-      recipe.hf_io.save_hf(trainer.model(), _SAVE.value)
+      stages.hf_io.save_hf(trainer.model(), _SAVE.value)
       ctx.tokenizer.save(_SAVE.value)
     trainer.close()
 

@@ -16,11 +16,11 @@ _STAGE = flags.DEFINE_list("stage", ["stage1"], "RL stage(s) to run: stage1,stag
 
 def main(argv):
   del argv
-  from rstar_jax.recipe import stages as recipe
-  bad = set(_STAGE.value) - set(recipe.RL_STAGES)
+  from rstar_jax.recipe import stages
+  bad = set(_STAGE.value) - set(stages.RL_STAGES)
   if bad:
-    raise config_utils.ConfigError(f"--stage: unknown {sorted(bad)}; known {recipe.RL_STAGES}")
-  recipe.run(_CONFIG.value, stages=list(_STAGE.value))
+    raise config_utils.ConfigError(f"--stage: unknown {sorted(bad)}; known {stages.RL_STAGES}")
+  stages.run(_CONFIG.value, stages=list(_STAGE.value))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config
 
 def main(argv):
   del argv
-  from rstar_jax.recipe import stages as recipe
-  recipe.run(_CONFIG.value, stages=["sft"])
+  from rstar_jax.recipe import stages
+  stages.run(_CONFIG.value, stages=["sft"])
 
 
 if __name__ == "__main__":

@@ -232,12 +232,12 @@ def _check_python(args: list[str], where: str) -> None:
     assert config_spec, f"{where}: --config.* overrides without --config"
   if config_spec:
     from rstar_jax import config_utils
-    from rstar_jax.recipe import sweep
+    from rstar_jax.recipe import sweep_overrides
     config = _config(config_spec)   # raises ConfigError naming what is wrong
     config_utils.check_overrides(overrides + swept, config)
     for a in overrides:   # and the value reads under the field's type, as the entry point reads it
       key, _, text = a[len("--config."):].partition("=")
-      sweep._child_reads(config, key, text)
+      sweep_overrides._child_reads(config, key, text)
 
 
 def module_or(args: list[str]) -> str:

@@ -1,8 +1,8 @@
 """The notebooks (notebooks/*.ipynb) run headless with papermill on tiny inputs built
 here: each has a cell tagged `parameters` that papermill overrides, and any error in
-any cell fails the test. Inputs: a sweep directory written through rstar_jax.recipe.sweep's
-own writers (01, 05), a random tiny toy policy with toy traces (02, 04), and the JSON of
-the three benchmarks run at tiny sizes (03)."""
+any cell fails the test. Inputs: a sweep directory written through
+rstar_jax.recipe.sweep_points' own writers (01, 05), a random tiny toy policy with toy
+traces (02, 04), and the JSON of the three benchmarks run at tiny sizes (03)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,7 +15,7 @@ import nbformat
 import numpy as np
 import pytest
 
-from rstar_jax.recipe import sweep
+from rstar_jax.recipe import sweep_points
 from tests import toy_fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,8 +63,9 @@ def test_committed_notebooks_are_clean_and_parameterised():
 def test_01_roc_ablation_reads_a_sweep(tmp_path):
   rng = np.random.RandomState(0)
   arms = {"roc": -0.02, "uniform": -0.01}
-  pts = sweep.make_points([{"rl.downsample.method": a, "seed": s} for a in arms for s in (0, 1)],
-                          str(tmp_path / "sweep"))
+  pts = sweep_points.make_points([{"rl.downsample.method": a, "seed": s}
+                                  for a in arms for s in (0, 1)],
+                                 str(tmp_path / "sweep"))
   for p in pts[:-1]:   # the last point has not run yet
     slope = arms[p.overrides["rl.downsample.method"]]
     # The first arm has too few steps for the direction table: the other's still shows.
@@ -83,7 +84,7 @@ def test_01_roc_ablation_reads_a_sweep(tmp_path):
       json.dump({"pass_at_1": 0.7 + 0.01 * p.overrides["seed"],
                  "tool_error_rate_correct": None if uniform else 0.05,
                  "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
-  sweep.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
+  sweep_points.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
   text = _text(_run("01_roc_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3,
                     early_late=4))
   assert "4 points in" in text and "not finished" in text
@@ -99,9 +100,10 @@ def test_01_roc_ablation_reads_a_sweep(tmp_path):
 def test_05_async_ablation_reads_a_sweep(tmp_path):
   key = "rl.async_rollouts.max_staleness"
   inflight = "rl.async_rollouts.weight_updates"
-  pts = sweep.make_points([{key: k, "seed": s} for k in (0, 1, 2) for s in (0, 1, 2)]
-                          + [{key: 1, inflight: "between_requests", "seed": s} for s in (0, 1)],
-                          str(tmp_path / "sweep"))
+  pts = sweep_points.make_points(
+      [{key: k, "seed": s} for k in (0, 1, 2) for s in (0, 1, 2)]
+      + [{key: 1, inflight: "between_requests", "seed": s} for s in (0, 1)],
+      str(tmp_path / "sweep"))
   for p in pts[:8] + pts[9:]:   # k=2, seed 2 has not run yet
     k, seed, arm = p.overrides[key], p.overrides["seed"], inflight in p.overrides
     os.makedirs(os.path.join(p.workdir, "stage1"))
@@ -122,7 +124,7 @@ def test_05_async_ablation_reads_a_sweep(tmp_path):
                  "tool_error_rate_correct": (None if (k, seed) == (0, 1) else
                                              {0: 0.0625, 1: 0.125, 2: 0.25}[k]),
                  "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
-  sweep.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
+  sweep_points.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
   text = _text(_run("05_async_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3))
   assert "11 points in" in text and "not finished" in text
   # Final evaluation per arm: mean ± std over the finished seeds, "(n=k)" where one is missing.

@@ -68,14 +68,14 @@ def test_two_step_recipe_end_to_end(recipe_dir):
   assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]   # SFT learns something
   # The export renders our protocol through transformers' chat template.
   import transformers
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import chat
   export = os.path.join(workdir, "stage1", "export")
   hf_tok = transformers.AutoTokenizer.from_pretrained(export)
   text = hf_tok.apply_chat_template([{"role": "user", "content": "What is 12*34?"}],
                                     tokenize=False, add_generation_prompt=True)
-  cfg = recipe.build_config(json.load(open(os.path.join(workdir, "config.json"))))
+  cfg = stages.build_config(json.load(open(os.path.join(workdir, "config.json"))))
   proto = chat.ChatProtocol(tokenizer_lib.Tokenizer.from_dir(export), cfg.chat)
   assert hf_tok.encode(text, add_special_tokens=False) == proto.prompt_ids("What is 12*34?")
 
@@ -135,42 +135,43 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   import dataclasses
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages, workdir_state
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
-  cfg = recipe.build_config(c)
-  recipe.check_workdir(cfg)
+  cfg = stages.build_config(c)
+  workdir_state.check_workdir(cfg)
   os.makedirs(tmp_path / "sft")
   (tmp_path / "sft" / "DONE.json").write_text(json.dumps({"steps": 1}))
   launch = dataclasses.replace(cfg.distributed, process_id=1, num_processes=2,
                                coordinator_address="127.0.0.1:1234")
-  recipe.check_workdir(dataclasses.replace(cfg, distributed=launch))
+  workdir_state.check_workdir(dataclasses.replace(cfg, distributed=launch))
   # Where compiled programs are kept is not the run's config either (a sweep shares one).
-  recipe.check_workdir(dataclasses.replace(cfg, compile_cache_dir=str(tmp_path / "shared")))
+  workdir_state.check_workdir(
+      dataclasses.replace(cfg, compile_cache_dir=str(tmp_path / "shared")))
   # Nor a fleet's addresses, new at every launch or requeue, nor moving the RL stages
   # from in-process engines to servers (experiments/configs/cluster_toy.py's flow).
   fleet = dataclasses.replace(
       cfg, tools=dataclasses.replace(cfg.tools, urls=("http://node9:8321",)),
       rollout=dataclasses.replace(cfg.rollout, backend="server",
                                   servers=("http://node9:30000",)))
-  recipe.check_workdir(fleet)
+  workdir_state.check_workdir(fleet)
   # Nor how often it saves and how many it keeps (freeing disk mid-run), nor the HTTP
   # client's waits.
-  recipe.check_workdir(dataclasses.replace(
+  workdir_state.check_workdir(dataclasses.replace(
       cfg, rl=dataclasses.replace(cfg.rl, checkpoint_every=7, keep_checkpoints=1),
       sft=dataclasses.replace(cfg.sft, checkpoint_every=9, keep_checkpoints=1),
       rollout=dataclasses.replace(cfg.rollout, client=dataclasses.replace(
           cfg.rollout.client, no_server_wait_s=5.0))))
   with pytest.raises(config_utils.ConfigError, match="seed: 0 -> 1"):
-    recipe.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
+    workdir_state.check_workdir(dataclasses.replace(cfg, seed=cfg.seed + 1))
   # A changed config goes beside the old one once, not once per rerun.
   changed = dataclasses.replace(cfg, seed=cfg.seed + 1, allow_config_change=True)
-  assert recipe.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
-  assert recipe.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
+  assert workdir_state.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
+  assert workdir_state.check_workdir(changed)[1] == str(tmp_path / "config_1.json")
   assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json",
                                                                    "config_1.json"]
   with pytest.raises(config_utils.ConfigError, match=r"rollout\.engine\.num_slots"):
-    recipe.check_workdir(dataclasses.replace(cfg, rollout=dataclasses.replace(
+    workdir_state.check_workdir(dataclasses.replace(cfg, rollout=dataclasses.replace(
         cfg.rollout, engine=dataclasses.replace(cfg.rollout.engine, num_slots=3))))
 
 
@@ -180,33 +181,33 @@ def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
   import dataclasses
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages, workdir_state
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
-  cfg = recipe.build_config(c)
-  recipe.check_workdir(cfg)
-  recipe.check_workdir(dataclasses.replace(cfg, seed=1))   # nothing started: replaced
+  cfg = stages.build_config(c)
+  workdir_state.check_workdir(cfg)
+  workdir_state.check_workdir(dataclasses.replace(cfg, seed=1))   # nothing started: replaced
   assert json.load(open(tmp_path / "config.json"))["seed"] == 1
-  recipe.check_workdir(cfg)
+  workdir_state.check_workdir(cfg)
   os.makedirs(tmp_path / "sft" / "checkpoints" / "3")
   with pytest.raises(config_utils.ConfigError,
                      match=r"stages \['sft'\] \(finished or resumable\).*seed: 0 -> 1"):
-    recipe.check_workdir(dataclasses.replace(cfg, seed=1))
+    workdir_state.check_workdir(dataclasses.replace(cfg, seed=1))
   assert json.load(open(tmp_path / "config.json"))["seed"] == 0
 
 
 def test_an_evaluation_with_other_results_keeps_the_previous_report(tmp_path):
   """Re-evaluating with another eval.k (or another model) must not lose the old report."""
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   path, samples = str(tmp_path / "eval_final.json"), str(tmp_path / "eval_final_samples.jsonl")
-  recipe._keep_previous_report(path, samples, '{"k": 2}')   # nothing there yet
+  stages._keep_previous_report(path, samples, '{"k": 2}')   # nothing there yet
   assert os.listdir(tmp_path) == []
   (tmp_path / "eval_final.json").write_text('{"k": 2}')
   (tmp_path / "eval_final_samples.jsonl").write_text("old samples\n")
-  recipe._keep_previous_report(path, samples, '{"k": 2}')   # the same report: replaced
+  stages._keep_previous_report(path, samples, '{"k": 2}')   # the same report: replaced
   assert sorted(os.listdir(tmp_path)) == ["eval_final.json", "eval_final_samples.jsonl"]
   for n in (1, 2):
-    recipe._keep_previous_report(path, samples, '{"k": 8}')
+    stages._keep_previous_report(path, samples, '{"k": 8}')
     assert json.load(open(tmp_path / f"eval_final_{n}.json")) == {"k": 2}
     assert (tmp_path / f"eval_final_{n}_samples.jsonl").read_text() == "old samples\n"
     assert not os.path.exists(path) and not os.path.exists(samples)
@@ -666,7 +667,7 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
   seed or model), shared by every stage, and written in place (a torn file failed
   every later run)."""
   import types
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   from rstar_jax.data.math_problems import MathProblem
   from rstar_jax.rollout.agent_loop import AgentConfig
   problems = [MathProblem(f"p{i}", "q", "1", "t") for i in range(6)]
@@ -682,18 +683,18 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
     with open(cache, "w") as f:
       json.dump({"uids": uids, "made_with": made_with}, f)
     return uids
-  monkeypatch.setattr(recipe, "_unsolved", fake_unsolved)
-  stage = lambda k: recipe.RLStage(num_steps=1, hard_only=True, hard_k=k, agent=AgentConfig())
-  assert len(recipe.hard_subset(ctx, None, "stage3", stage(2))) == 2
-  assert len(recipe.hard_subset(ctx, None, "stage3", stage(2))) == 2 and calls == [2]  # reused
-  assert len(recipe.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3]
-  assert len(recipe.hard_subset(ctx, None, "stage2", stage(3))) == 3 and calls == [2, 3, 3]
+  monkeypatch.setattr(stages, "_unsolved", fake_unsolved)
+  stage = lambda k: stages.RLStage(num_steps=1, hard_only=True, hard_k=k, agent=AgentConfig())
+  assert len(stages.hard_subset(ctx, None, "stage3", stage(2))) == 2
+  assert len(stages.hard_subset(ctx, None, "stage3", stage(2))) == 2 and calls == [2]  # reused
+  assert len(stages.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3]
+  assert len(stages.hard_subset(ctx, None, "stage2", stage(3))) == 3 and calls == [2, 3, 3]
   assert os.path.exists(tmp_path / "stage2" / "hard_subset.json")   # a file per stage
   (tmp_path / "stage3" / "hard_subset.json").write_text('{"uids": ["p0"')   # torn
-  assert len(recipe.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3, 3, 3]
+  assert len(stages.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3, 3, 3]
   os.makedirs(tmp_path / "stage2", exist_ok=True)
   (tmp_path / "stage2" / "DONE.json").write_text('{"steps": 4}')   # another model now
-  recipe.hard_subset(ctx, None, "stage3", stage(3))
+  stages.hard_subset(ctx, None, "stage3", stage(3))
   assert calls == [2, 3, 3, 3, 3]
 
 
@@ -795,29 +796,29 @@ def test_the_final_evaluation_can_use_the_report_s_protocol_and_says_so(recipe_d
   assert "fewer than the protocol's 30720 response tokens" in out, out[-3000:]
   report = json.load(open(os.path.join(d, "eval_final.json")))
   assert report["temperature"] == 0.6 and report["samples_per_problem"] == 16
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   with pytest.raises(ValueError, match="EvalStage.protocol='paper'"):
-    recipe.EvalStage(protocol="paper")
+    stages.EvalStage(protocol="paper")
 
 
 def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path / "run")
   with pytest.raises(config_utils.ConfigError, match=r"stages: unknown \['bogus'\]"):
-    recipe.run(c, stages=["bogus"])
+    stages.run(c, stages=["bogus"])
   c.data.kind, c.data.eval_files = "files", (str(tmp_path / "nope.jsonl"),)
   with pytest.raises(config_utils.ConfigError, match=r"config.data.eval_files: no such file"):
-    recipe.run(c)
+    stages.run(c)
   assert not os.path.exists(tmp_path / "run")   # no workdir, no config.json
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path / "afile")
   (tmp_path / "afile").write_text("")
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(config_utils.ConfigError, match="cannot use it as the run's directory"):
-    recipe.evaluate_hf_dir(c, str(tmp_path))   # was a bare FileExistsError
+    stages.evaluate_hf_dir(c, str(tmp_path))   # was a bare FileExistsError
 
 
 def test_config_files_without_variants_or_get_config_are_config_errors(tmp_path):
@@ -843,11 +844,11 @@ def test_one_run_per_workdir_summaries_on_resume_and_no_silent_fresh_optimizer(r
   resumed at its last step writes DONE.json with its final rollout stats (they were
   empty: no step ran here); (3) a stage whose predecessor trained but left no checkpoint
   is refused instead of starting with a fresh Adam without a word."""
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import workdir_state
   d = str(tmp_path / "copy")
   shutil.copytree(recipe_dir[0], d, ignore=shutil.ignore_patterns("compile_cache"))
   _share_compile_cache(recipe_dir[0], d)
-  with recipe.workdir_lock(d):
+  with workdir_state.workdir_lock(d):
     out = _run(d, "--config.stage1.num_steps=2", "--stages=stage1", check=False)
   assert out.returncode == 2 and f"{d} is in use by pid {os.getpid()}" in out.stderr, out.stderr
 

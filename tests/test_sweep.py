@@ -1,4 +1,4 @@
-"""The sweep runner (rstar_jax/recipe/sweep.py, experiments/sweep.py).
+"""The sweep (rstar_jax/recipe/sweep_*.py, experiments/sweep.py).
 
 Child runs are a tiny fake module written into tmp_path (absl + config_flags, like the
 real entry points): it writes eval_final.json and RL metrics from its overrides, or
@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rstar_jax.recipe import sweep
+from rstar_jax.recipe import sweep_overrides, sweep_points, sweep_results, sweep_runner
 from tests import procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,103 +107,108 @@ def _sweep_cli(env, *args, check=True):
 
 # ---- naming, axes, loading, validation --------------------------------------------------
 def test_point_names_sorted_readable_and_safe():
-  assert sweep.point_name({"seed": 1, "rl.downsample.method": "uniform"}) == \
+  assert sweep_points.point_name({"seed": 1, "rl.downsample.method": "uniform"}) == \
       "rl.downsample.method=uniform,seed=1"
-  assert sweep.point_name({}) == "base"
-  assert sweep.point_name({"a": 3e-4, "b": True, "c": None}) == "a=0.0003,b=True,c=None"
-  assert sweep.point_name({"t": (1, 2)}) == "t=(1,2)"
+  assert sweep_points.point_name({}) == "base"
+  assert sweep_points.point_name({"a": 3e-4, "b": True, "c": None}) == "a=0.0003,b=True,c=None"
+  assert sweep_points.point_name({"t": (1, 2)}) == "t=(1,2)"
   # Unsafe characters are replaced, and a hash keeps distinct values distinct.
-  n1 = sweep.point_name({"model.hf_dir": "/a/b"})
-  n2 = sweep.point_name({"model.hf_dir": "_a_b"})
-  n3 = sweep.point_name({"model.hf_dir": "/a b"})
+  n1 = sweep_points.point_name({"model.hf_dir": "/a/b"})
+  n2 = sweep_points.point_name({"model.hf_dir": "_a_b"})
+  n3 = sweep_points.point_name({"model.hf_dir": "/a b"})
   assert "/" not in n1 and " " not in n3 and n1.startswith("model.hf_dir=_a_b~")
   assert len({n1, n2, n3}) == 3
   # Deterministic and bounded.
   long = {f"k{i}": "v" * 20 for i in range(20)}
-  assert sweep.point_name(long) == sweep.point_name(dict(reversed(list(long.items()))))
-  assert len(sweep.point_name(long)) <= sweep.MAX_NAME
+  assert sweep_points.point_name(long) == sweep_points.point_name(
+      dict(reversed(list(long.items()))))
+  assert len(sweep_points.point_name(long)) <= sweep_points.MAX_NAME
 
 
 def test_axes_parse_and_product():
   cfg = ml_collections.ConfigDict(dict(a=1, s="x", f=0.5, t=(1, 2)))
-  assert sweep.parse_axis("a=1,2,3", cfg) == ("a", [1, 2, 3])
+  assert sweep_overrides.parse_axis("a=1,2,3", cfg) == ("a", [1, 2, 3])
   # A str field keeps "1" as text; tuples survive the comma split.
-  assert sweep.parse_axis("s=1,roc", cfg) == ("s", ["1", "roc"])
-  assert sweep.parse_axis("config.t=(1,2),(3,4)", cfg) == ("t", [(1, 2), (3, 4)])
-  assert sweep.parse_axis("f=1e-4,True", cfg) == ("f", [1e-4, True])
+  assert sweep_overrides.parse_axis("s=1,roc", cfg) == ("s", ["1", "roc"])
+  assert sweep_overrides.parse_axis("config.t=(1,2),(3,4)", cfg) == ("t", [(1, 2), (3, 4)])
+  assert sweep_overrides.parse_axis("f=1e-4,True", cfg) == ("f", [1e-4, True])
   for bad in ("a", "=1", "a=", "a=1,,2"):
-    with pytest.raises(sweep.SweepError):
-      sweep.parse_axis(bad, cfg)
-  pts = sweep.product([("a", [1, 2]), ("seed", [0, 1, 2])])
+    with pytest.raises(sweep_points.SweepError):
+      sweep_overrides.parse_axis(bad, cfg)
+  pts = sweep_overrides.product([("a", [1, 2]), ("seed", [0, 1, 2])])
   assert pts == [{"a": 1, "seed": 0}, {"a": 1, "seed": 1}, {"a": 1, "seed": 2},
                  {"a": 2, "seed": 0}, {"a": 2, "seed": 1}, {"a": 2, "seed": 2}]
-  assert sweep.product([]) == [{}]
-  with pytest.raises(sweep.SweepError, match="twice"):
-    sweep.product([("a", [1]), ("a", [2])])
-  assert sweep.cross([{"m": "a"}, {"m": "b"}], [{"seed": 0}, {"seed": 1}]) == [
+  assert sweep_overrides.product([]) == [{}]
+  with pytest.raises(sweep_points.SweepError, match="twice"):
+    sweep_overrides.product([("a", [1]), ("a", [2])])
+  assert sweep_overrides.cross([{"m": "a"}, {"m": "b"}], [{"seed": 0}, {"seed": 1}]) == [
       {"m": "a", "seed": 0}, {"m": "a", "seed": 1}, {"m": "b", "seed": 0},
       {"m": "b", "seed": 1}]
-  with pytest.raises(sweep.SweepError, match="both"):
-    sweep.cross([{"m": "a"}], [{"m": "b"}])
+  with pytest.raises(sweep_points.SweepError, match="both"):
+    sweep_overrides.cross([{"m": "a"}], [{"m": "b"}])
 
 
 def test_get_sweep_loading(fake, tmp_path):
   cfg, cfg_sweep, _ = fake
-  assert sweep.load_sweep(cfg) is None
-  assert sweep.load_sweep(cfg_sweep) == [{"method": "a"}, {"method": "b", "lr": 0.2}]
-  assert sweep.load_sweep(cfg_sweep + ":big") == [{"method": "a"}, {"method": "b", "lr": 2.0}]
+  assert sweep_overrides.load_sweep(cfg) is None
+  assert sweep_overrides.load_sweep(cfg_sweep) == [{"method": "a"}, {"method": "b", "lr": 0.2}]
+  assert sweep_overrides.load_sweep(cfg_sweep + ":big") == [{"method": "a"},
+                                                             {"method": "b", "lr": 2.0}]
   bad = tmp_path / "bad.py"
   bad.write_text("def get_config():\n  return {}\ndef get_sweep():\n  return [{'a': 1}, 3]\n")
-  with pytest.raises(sweep.SweepError, match=r"get_sweep\(\)\[1\]"):
-    sweep.load_sweep(str(bad))
-  with pytest.raises(sweep.SweepError, match="no such config file"):
-    sweep.load_sweep(str(tmp_path / "missing.py"))
+  with pytest.raises(sweep_points.SweepError, match=r"get_sweep\(\)\[1\]"):
+    sweep_overrides.load_sweep(str(bad))
+  with pytest.raises(sweep_points.SweepError, match="no such config file"):
+    sweep_overrides.load_sweep(str(tmp_path / "missing.py"))
 
 
 def test_validate_names_valid_keys_and_types(fake):
-  config = sweep.load_config(fake[0])
-  sweep.validate([{"lr": 1, "nested.x": 2, "seed": 3}], config)   # int -> float field is fine
-  with pytest.raises(sweep.SweepError, match=r"unknown config key 'y' under nested; known "
+  config = sweep_overrides.load_config(fake[0])
+  # An int for a float field is fine.
+  sweep_overrides.validate([{"lr": 1, "nested.x": 2, "seed": 3}], config)
+  with pytest.raises(sweep_points.SweepError, match=r"unknown config key 'y' under nested; known "
                      r"keys there: \['name', 'x'\]"):
-    sweep.validate([{"nested.y": 1}], config)
-  with pytest.raises(sweep.SweepError, match="known keys there: .*'method'"):
-    sweep.validate([{"methd": "a"}], config)
-  with pytest.raises(sweep.SweepError, match="does not fit"):
-    sweep.validate([{"nested.x": "abc"}], config)
-  with pytest.raises(sweep.SweepError, match="section, not a field"):
-    sweep.validate([{"nested": 1}], config)
-  with pytest.raises(sweep.SweepError, match="set by the sweep itself"):
-    sweep.validate([{"workdir": "/x"}], config)
-  with pytest.raises(sweep.SweepError, match="are the same"):
-    sweep.validate([{"lr": 0.5}, {"lr": 0.5}], config)
+    sweep_overrides.validate([{"nested.y": 1}], config)
+  with pytest.raises(sweep_points.SweepError, match="known keys there: .*'method'"):
+    sweep_overrides.validate([{"methd": "a"}], config)
+  with pytest.raises(sweep_points.SweepError, match="does not fit"):
+    sweep_overrides.validate([{"nested.x": "abc"}], config)
+  with pytest.raises(sweep_points.SweepError, match="section, not a field"):
+    sweep_overrides.validate([{"nested": 1}], config)
+  with pytest.raises(sweep_points.SweepError, match="set by the sweep itself"):
+    sweep_overrides.validate([{"workdir": "/x"}], config)
+  with pytest.raises(sweep_points.SweepError, match="are the same"):
+    sweep_overrides.validate([{"lr": 0.5}, {"lr": 0.5}], config)
 
 
 def test_numpy_values_become_python_and_values_must_read_back(fake, tmp_path):
   """A point's values reach it as flag text: np.float64 (np.logspace's) is written as a
   plain number, and a value its flag would read back as something else (a bool for a
   float field: the config casts it, the flag parser refuses "True") stops the sweep."""
-  config = sweep.load_config(fake[0])
+  config = sweep_overrides.load_config(fake[0])
   cfg = tmp_path / "np_cfg.py"
   cfg.write_text(FAKE_CONFIG + "import numpy as np\ndef get_sweep():\n"
                  "  return [{'lr': v, 'nested.x': np.int64(i)} "
                  "for i, v in enumerate(np.logspace(-4, -3, 2))]\n")
-  points = sweep.load_sweep(str(cfg))
+  points = sweep_overrides.load_sweep(str(cfg))
   assert [type(p["lr"]) for p in points] == [float, float]
   assert [type(p["nested.x"]) for p in points] == [int, int]
-  assert sweep.format_value(np.float64(1e-4)) == "0.0001"
-  assert sweep.format_value((np.int64(1), np.float32(0.5))) == "(1, 0.5)"
-  assert sweep.point_name({"lr": np.float64(1e-4)}) == "lr=0.0001"
-  sweep.validate(points + [{"lr": np.float64(3e-4)}], config)
-  with pytest.raises(sweep.SweepError, match=r"lr=True is a bool, but the field is of type float"):
-    sweep.validate([{"lr": True}], config)
-  with pytest.raises(sweep.SweepError, match=r"nested.x=False is a bool, but the field is of type int"):
-    sweep.validate([{"nested.x": False}], config)
-  sweep.validate([{"fail": True}], config)   # a bool field takes a bool
+  assert sweep_points.format_value(np.float64(1e-4)) == "0.0001"
+  assert sweep_points.format_value((np.int64(1), np.float32(0.5))) == "(1, 0.5)"
+  assert sweep_points.point_name({"lr": np.float64(1e-4)}) == "lr=0.0001"
+  sweep_overrides.validate(points + [{"lr": np.float64(3e-4)}], config)
+  with pytest.raises(sweep_points.SweepError,
+                     match=r"lr=True is a bool, but the field is of type float"):
+    sweep_overrides.validate([{"lr": True}], config)
+  with pytest.raises(sweep_points.SweepError,
+                     match=r"nested.x=False is a bool, but the field is of type int"):
+    sweep_overrides.validate([{"nested.x": False}], config)
+  sweep_overrides.validate([{"fail": True}], config)   # a bool field takes a bool
   # A field the config takes anything for, but whose flag the child's parser refuses.
   loose = ml_collections.ConfigDict({"seed": 0, "opt": None})
-  with pytest.raises(sweep.SweepError, match=r"opt=1 reaches the point as --config.opt=1, "
+  with pytest.raises(sweep_points.SweepError, match=r"opt=1 reaches the point as --config.opt=1, "
                      "which its flag parser refuses"):
-    sweep.validate([{"opt": 1}], loose)
+    sweep_overrides.validate([{"opt": 1}], loose)
 
 
 def test_shared_overrides_and_child_args_leave_the_point_alone(fake, tmp_path):
@@ -211,9 +216,9 @@ def test_shared_overrides_and_child_args_leave_the_point_alone(fake, tmp_path):
   point into one directory (absl keeps the last value): refused, and the point's own
   directory is the last argument anyway."""
   points = [{"lr": 0.1, "seed": 0}, {"lr": 0.2, "seed": 0}]
-  p = sweep.make_points(points, str(tmp_path))[0]
-  argv = sweep.command(p, module="m", config_spec="c.py", base_overrides={"nested.x": 2},
-                       extra_args=["--stages=sft"])
+  p = sweep_points.make_points(points, str(tmp_path))[0]
+  argv = sweep_points.command(p, module="m", config_spec="c.py", base_overrides={"nested.x": 2},
+                              extra_args=["--stages=sft"])
   assert argv[-1] == f"--config.workdir={p.workdir}"
   assert [a for a in argv if "workdir" in a] == [argv[-1]]
   # Through the entry point: nothing runs, no shared directory appears.
@@ -226,19 +231,19 @@ def test_shared_overrides_and_child_args_leave_the_point_alone(fake, tmp_path):
   out = _sweep_cli(env, *args, f"--child_arg=--config.workdir={tmp_path}/shared", check=False)
   assert out.returncode == 2 and "config.workdir is set by the sweep itself" in out.stderr
   assert not (tmp_path / "shared").exists() and not (tmp_path / "sw").exists()
-  sweep.check_shared({"nested.x": 2}, ["--stages=sft", "--config.method=b"], points)
-  with pytest.raises(sweep.SweepError, match=r"--config.workdir=... is set by the sweep"):
-    sweep.check_shared({"workdir": "/shared"}, [], points)
-  with pytest.raises(sweep.SweepError, match="both swept and set"):
-    sweep.check_shared({"seed": 1}, [], points)
+  sweep_overrides.check_shared({"nested.x": 2}, ["--stages=sft", "--config.method=b"], points)
+  with pytest.raises(sweep_points.SweepError, match=r"--config.workdir=... is set by the sweep"):
+    sweep_overrides.check_shared({"workdir": "/shared"}, [], points)
+  with pytest.raises(sweep_points.SweepError, match="both swept and set"):
+    sweep_overrides.check_shared({"seed": 1}, [], points)
   for arg in ("--config.workdir=/x", "-config.workdir", "--config.workdir"):
-    with pytest.raises(sweep.SweepError, match=r"config.workdir is set by the sweep itself"):
-      sweep.check_shared({}, [arg], points)
-  with pytest.raises(sweep.SweepError, match=r"--child_arg '--config.seed=3': config.seed is "
-                     "swept"):
-    sweep.check_shared({}, ["--config.seed=3"], points)
-  with pytest.raises(sweep.SweepError, match="passes its own --config"):
-    sweep.check_shared({}, ["--config=other.py"], points)
+    with pytest.raises(sweep_points.SweepError, match=r"config.workdir is set by the sweep itself"):
+      sweep_overrides.check_shared({}, [arg], points)
+  with pytest.raises(sweep_points.SweepError,
+                     match=r"--child_arg '--config.seed=3': config.seed is swept"):
+    sweep_overrides.check_shared({}, ["--config.seed=3"], points)
+  with pytest.raises(sweep_points.SweepError, match="passes its own --config"):
+    sweep_overrides.check_shared({}, ["--config=other.py"], points)
 
 
 def test_roc_ablation_smoke_variant_is_a_smoke_run_at_its_own_group_size():
@@ -247,27 +252,27 @@ def test_roc_ablation_smoke_variant_is_a_smoke_run_at_its_own_group_size():
   from experiments.configs import toy
   spec = os.path.join(REPO, "experiments/configs/toy_roc_ablation.py")
   for variant in ("", "smoke"):
-    config = sweep.load_config(f"{spec}:{variant}" if variant else spec)
-    points = sweep.load_sweep(f"{spec}:{variant}" if variant else spec)
+    config = sweep_overrides.load_config(f"{spec}:{variant}" if variant else spec)
+    points = sweep_overrides.load_sweep(f"{spec}:{variant}" if variant else spec)
     group = config.rl.downsample.group_size
     assert config.stage1.num_steps == (40 if not variant else
                                        toy.get_config(variant).stage1.num_steps)
     drawn = {p["rl.downsample.method"]: p.get("rl.samples_per_prompt",
                                               config.rl.samples_per_prompt) for p in points}
     assert drawn == {"roc": 2 * group, "uniform": 2 * group, "none": group}, (variant, drawn)
-  assert sweep.load_config(spec + ":smoke").stage1.num_steps < 40
+  assert sweep_overrides.load_config(spec + ":smoke").stage1.num_steps < 40
 
 
 # ---- running, skipping, failures --------------------------------------------------------
 def test_run_skip_and_failure(fake, tmp_path):
   cfg, _, env = fake
   root = tmp_path / "sw"
-  points = sweep.make_points([{"method": "a", "seed": 0}, {"method": "a", "seed": 1},
-                              {"fail": True}], str(root))
-  argv_of = lambda p: sweep.command(p, module="fake_child", config_spec=cfg,
-                                    base_overrides={"nested.x": 5}, python=sys.executable)
+  points = sweep_points.make_points([{"method": "a", "seed": 0}, {"method": "a", "seed": 1},
+                                     {"fail": True}], str(root))
+  argv_of = lambda p: sweep_points.command(p, module="fake_child", config_spec=cfg,
+                                           base_overrides={"nested.x": 5}, python=sys.executable)
   lines = []
-  out = sweep.run_points(points, argv_of, workers=2, env=env, cwd=REPO, log=lines.append)
+  out = sweep_runner.run_points(points, argv_of, workers=2, env=env, cwd=REPO, log=lines.append)
   assert [o.status for o in out] == ["done", "done", "failed"]
   assert out[2].returncode == 3
   log = open(points[2].log).read()
@@ -275,11 +280,11 @@ def test_run_skip_and_failure(fake, tmp_path):
   assert any("FAILED fail=True" in l and points[2].log in l for l in lines)
   # The base override and the point's overrides reached the child.
   assert "x=5" in open(points[0].log).read() and "seed=1" in open(points[1].log).read()
-  assert os.path.exists(os.path.join(points[0].workdir, sweep.DONE_MARKER))
-  assert not os.path.exists(os.path.join(points[2].workdir, sweep.DONE_MARKER))
+  assert os.path.exists(os.path.join(points[0].workdir, sweep_points.DONE_MARKER))
+  assert not os.path.exists(os.path.join(points[2].workdir, sweep_points.DONE_MARKER))
   # Rerun: finished points are skipped, the failed one runs again.
   lines = []
-  out = sweep.run_points(points, argv_of, workers=1, env=env, cwd=REPO, log=lines.append)
+  out = sweep_runner.run_points(points, argv_of, workers=1, env=env, cwd=REPO, log=lines.append)
   assert [o.status for o in out] == ["skipped", "skipped", "failed"]
   runs = lambda p: open(os.path.join(p.workdir, "runs.txt")).read().count("run")
   assert [runs(p) for p in points] == [1, 1, 2]
@@ -289,7 +294,7 @@ def test_run_skip_and_failure(fake, tmp_path):
 def test_a_point_stopped_by_ctrl_c_is_interrupted_not_failed(tmp_path):
   """A child that saved and exited 130 (or died of SIGINT) resumes on a rerun: the
   sweep says so instead of reporting a failure with exit status 130."""
-  points = sweep.make_points([{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}], str(tmp_path))
+  points = sweep_points.make_points([{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}], str(tmp_path))
   codes = {points[0].name: "sys.exit(130)", points[1].name: "sys.exit(3)",
            points[2].name: "os.kill(os.getpid(), signal.SIGINT)",
            points[3].name: "sys.exit(143)"}   # saved after a SIGTERM (a preemption)
@@ -297,7 +302,7 @@ def test_a_point_stopped_by_ctrl_c_is_interrupted_not_failed(tmp_path):
                        "import os, signal, sys\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
                        + codes[p.name]]
   lines = []
-  out = sweep.run_points(points, argv_of, workers=1, log=lines.append)
+  out = sweep_runner.run_points(points, argv_of, workers=1, log=lines.append)
   assert [o.status for o in out] == ["interrupted", "failed", "interrupted", "interrupted"]
   assert any("interrupted a=1" in l and "a rerun resumes it" in l for l in lines), lines
   assert any("FAILED a=2: exit status 3" in l for l in lines), lines
@@ -473,15 +478,15 @@ def test_a_killed_sweep_leaves_no_orphan(stoppable):
 
 
 def test_done_marker_or_eval_final_counts_as_finished(tmp_path):
-  p = sweep.make_points([{"a": 1}], str(tmp_path))[0]
-  assert sweep.finished(p) is None
+  p = sweep_points.make_points([{"a": 1}], str(tmp_path))[0]
+  assert sweep_points.finished(p) is None
   os.makedirs(p.workdir)
-  open(os.path.join(p.workdir, sweep.DONE_MARKER), "w").write("{}")
-  assert sweep.finished(p).endswith(sweep.DONE_MARKER)
-  q = sweep.make_points([{"a": 2}], str(tmp_path))[0]
+  open(os.path.join(p.workdir, sweep_points.DONE_MARKER), "w").write("{}")
+  assert sweep_points.finished(p).endswith(sweep_points.DONE_MARKER)
+  q = sweep_points.make_points([{"a": 2}], str(tmp_path))[0]
   os.makedirs(q.workdir)
   open(os.path.join(q.workdir, "eval_final.json"), "w").write("{}")
-  assert sweep.finished(q).endswith("eval_final.json")
+  assert sweep_points.finished(q).endswith("eval_final.json")
 
 
 # ---- tables ---------------------------------------------------------------------------
@@ -497,8 +502,8 @@ def _write_point(p, report=None, metrics=None):
 
 
 def test_tables_mean_std_over_seeds(tmp_path):
-  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
-                          [{"m": "uniform", "seed": s} for s in (0, 1, 2)], str(tmp_path))
+  pts = sweep_points.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
+                                 [{"m": "uniform", "seed": s} for s in (0, 1, 2)], str(tmp_path))
   acc = {("roc", 0): 0.5, ("roc", 1): 0.6, ("roc", 2): 0.7, ("uniform", 0): 0.2,
          ("uniform", 1): 0.4}
   for p in pts:
@@ -511,12 +516,12 @@ def test_tables_mean_std_over_seeds(tmp_path):
                        "pass_at_k": {"1": acc[key], "4": 1.0}},
                    metrics=[{"step": 1, "rollout/reward_mean": 0.1},
                             {"step": 2, "rollout/reward_mean": 0.3}])
-  rows, cols = sweep.result_rows(pts)
+  rows, cols = sweep_results.result_rows(pts)
   assert cols[:4] == ["point", "status", "m", "seed"]
   assert rows[0]["pass_at_1"] == 0.5 and rows[0]["pass_at_4"] == 1.0
   assert rows[0]["last_rl/reward_mean"] == 0.3 and rows[0]["last_rl/stage"] == "stage2"
   assert rows[5]["status"] == "missing" and rows[5]["pass_at_1"] is None
-  md = sweep.write_tables(str(tmp_path), pts)
+  md = sweep_results.write_tables(str(tmp_path), pts)
   grouped = list(csv.DictReader(open(tmp_path / "results_seeds.csv")))
   assert [g["group"] for g in grouped] == ["m=roc", "m=uniform"]
   assert [g["n"] for g in grouped] == ["3", "2"]
@@ -544,8 +549,8 @@ def test_tables_mean_std_over_seeds(tmp_path):
 def test_seed_table_counts_only_finished_points(tmp_path):
   """An interrupted seed's last RL row (an early step) and a failed rerun's old
   eval_final.json are not averaged with the finished seeds; the table says who is left out."""
-  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
-                          [{"m": "u", "seed": s} for s in (0, 1)], str(tmp_path))
+  pts = sweep_points.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
+                                 [{"m": "u", "seed": s} for s in (0, 1)], str(tmp_path))
   for p in pts:
     last = 5 if p.overrides == {"m": "roc", "seed": 2} else 40
     os.makedirs(os.path.join(p.workdir, "stage1"))
@@ -556,10 +561,10 @@ def test_seed_table_counts_only_finished_points(tmp_path):
       with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
         json.dump({"pass_at_1": 0.8 if p.overrides["m"] == "roc" else 0.1 * p.overrides["seed"]},
                   f)
-  outs = [sweep.Outcome(pts[0], "skipped"), sweep.Outcome(pts[1], "done"),
-          sweep.Outcome(pts[2], "interrupted"), sweep.Outcome(pts[3], "failed"),
-          sweep.Outcome(pts[4], "failed")]
-  md = sweep.write_tables(str(tmp_path), pts, outs)
+  outs = [sweep_runner.Outcome(pts[0], "skipped"), sweep_runner.Outcome(pts[1], "done"),
+          sweep_runner.Outcome(pts[2], "interrupted"), sweep_runner.Outcome(pts[3], "failed"),
+          sweep_runner.Outcome(pts[4], "failed")]
+  md = sweep_results.write_tables(str(tmp_path), pts, outs)
   grouped = {g["group"]: g for g in csv.DictReader(open(tmp_path / "results_seeds.csv"))}
   roc, u = grouped["m=roc"], grouped["m=u"]
   assert float(roc["last_rl/reward_mean_mean"]) == pytest.approx(1.0)   # not with 5/40
@@ -575,7 +580,7 @@ def test_without_outcomes_a_point_finished_with_another_command_is_stale(tmp_pat
   """What a notebook sees (points from sweep.json, no outcomes): a point whose done
   marker holds another command than the manifest's has results of other settings."""
   root = str(tmp_path / "sw")
-  pts = sweep.make_points([{"seed": s} for s in (0, 1, 2)], root)
+  pts = sweep_points.make_points([{"seed": s} for s in (0, 1, 2)], root)
   now = lambda p: ["python", "-m", "child", "--config", "c.py", "--config.lr=0.7",
                    f"--config.seed={p.overrides['seed']}", f"--config.workdir={p.workdir}"]
   for p in pts[:2]:
@@ -587,13 +592,13 @@ def test_without_outcomes_a_point_finished_with_another_command_is_stale(tmp_pat
       argv = [a.replace("lr=0.7", "lr=0.5") for a in argv]
     else:   # the same command in another order, the config path absolute: the same
       argv = argv[:4] + [os.path.abspath("c.py")] + argv[5:][::-1]
-    with open(os.path.join(p.workdir, sweep.DONE_MARKER), "w") as f:
+    with open(os.path.join(p.workdir, sweep_points.DONE_MARKER), "w") as f:
       json.dump({"command": argv}, f)
-  sweep.write_manifest(root, pts, now)
-  loaded = sweep.load_points(root)
-  assert [bool(sweep.finished(p)) for p in loaded] == [True, False, False]
-  rows, cols = sweep.result_rows(loaded)
-  grouped, _ = sweep.seed_rows(loaded, rows, ["pass_at_1"])
+  sweep_points.write_manifest(root, pts, now)
+  loaded = sweep_points.load_points(root)
+  assert [bool(sweep_points.finished(p)) for p in loaded] == [True, False, False]
+  rows, cols = sweep_results.result_rows(loaded)
+  grouped, _ = sweep_results.seed_rows(loaded, rows, ["pass_at_1"])
   assert grouped[0]["n"] == 1 and grouped[0]["pass_at_1_mean"] == pytest.approx(0.5)
   assert [r["status"] for r in rows] == ["finished", "stale", "missing"]
   assert grouped[0]["left out"] == "1 (stale), 2 (missing)"
@@ -606,20 +611,21 @@ def test_manifest_and_tables_are_written_whole_or_not_at_all(tmp_path):
   class Unprintable:
     def __str__(self):
       raise RuntimeError("no text")
-  pts = sweep.make_points([{"seed": 0}, {"seed": 1}], str(tmp_path))
-  sweep.write_manifest(str(tmp_path), pts, lambda p: ["python", "-m", "x"])
-  bad = [sweep.Point(pts[0].name, {"seed": Unprintable()}, pts[0].workdir)]
+  pts = sweep_points.make_points([{"seed": 0}, {"seed": 1}], str(tmp_path))
+  sweep_points.write_manifest(str(tmp_path), pts, lambda p: ["python", "-m", "x"])
+  bad = [sweep_points.Point(pts[0].name, {"seed": Unprintable()}, pts[0].workdir)]
   with pytest.raises(RuntimeError, match="no text"):
-    sweep.write_manifest(str(tmp_path), bad, lambda p: ["python", "-m", "x"])
-  assert sweep.load_points(str(tmp_path)) == pts
-  sweep.write_tables(str(tmp_path), pts)
+    sweep_points.write_manifest(str(tmp_path), bad, lambda p: ["python", "-m", "x"])
+  assert sweep_points.load_points(str(tmp_path)) == pts
+  sweep_results.write_tables(str(tmp_path), pts)
   assert sorted(f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)) == \
       ["results.csv", "results.md", "results_seeds.csv", "sweep.json"]
 
 
 def test_curves_per_step_across_stages_and_over_seeds(tmp_path):
-  pts = sweep.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] + [{"m": "u", "seed": 0}],
-                          str(tmp_path))
+  pts = sweep_points.make_points([{"m": "roc", "seed": s} for s in (0, 1, 2)] +
+                                 [{"m": "u", "seed": 0}],
+                                 str(tmp_path))
   reward = {0: [0.1, 0.2, 0.4], 1: [0.3, 0.4], 2: [0.2, None, 0.6]}
   for p in pts[:3]:
     r = reward[p.overrides["seed"]]
@@ -631,11 +637,11 @@ def test_curves_per_step_across_stages_and_over_seeds(tmp_path):
           f.write(json.dumps({"step": first + i, **({} if v is None else
                                                     {"rollout/reward_mean": v})}) + "\n")
         f.write('{"step": 7, "rollo')   # a killed run's torn line is left out
-  c = sweep.point_curves(pts[0], ["rollout/reward_mean", "absent"])
+  c = sweep_results.point_curves(pts[0], ["rollout/reward_mean", "absent"])
   assert c["step"].tolist() == [1, 2, 3] and c["stage"].tolist() == [0, 2, 2]
   np.testing.assert_allclose(c["rollout/reward_mean"], [0.1, 0.2, 0.4])
   assert np.isnan(c["absent"]).all()
-  g = sweep.seed_curves(pts, "rollout/reward_mean")
+  g = sweep_results.seed_curves(pts, "rollout/reward_mean")
   assert set(g) == {"m=roc", "m=u"}
   roc = g["m=roc"]
   assert roc["step"].tolist() == [1, 2, 3] and roc["n"].tolist() == [3, 2, 2]
@@ -646,10 +652,10 @@ def test_curves_per_step_across_stages_and_over_seeds(tmp_path):
     assert roc["std"][j] == pytest.approx(np.std(col, ddof=1))
   assert g["m=u"]["step"].size == 0   # a point that has not run yet: an empty curve
   # The manifest the sweep writes is what a notebook reads the points from.
-  sweep.write_manifest(str(tmp_path), pts, lambda p: ["x"])
-  assert sweep.load_points(str(tmp_path)) == pts
-  with pytest.raises(sweep.SweepError, match="no sweep manifest"):
-    sweep.load_points(str(tmp_path / "nowhere"))
+  sweep_points.write_manifest(str(tmp_path), pts, lambda p: ["x"])
+  assert sweep_points.load_points(str(tmp_path)) == pts
+  with pytest.raises(sweep_points.SweepError, match="no sweep manifest"):
+    sweep_points.load_points(str(tmp_path / "nowhere"))
 
 
 # ---- the command line -------------------------------------------------------------------
@@ -747,15 +753,15 @@ def test_the_same_command_in_another_order_is_not_a_change(fake, tmp_path):
                    "--child_arg=--stderrthreshold=fatal", "--child_arg=--verbosity=0")
   assert "seed=0: finished before" in out.stdout and "another command" not in out.stdout
   assert open(root / "seed=0" / "runs.txt").read().count("run") == 1
-  p = sweep.make_points([{"seed": 0}], str(root))[0]
-  before = json.load(open(os.path.join(p.workdir, sweep.DONE_MARKER)))["command"]
+  p = sweep_points.make_points([{"seed": 0}], str(root))[0]
+  before = json.load(open(os.path.join(p.workdir, sweep_points.DONE_MARKER)))["command"]
   # Another interpreter; a key given twice (absl keeps the last value).
-  assert sweep.changed_command(p, ["/other/python", *before[1:5], "--config.lr=0.1",
-                                   *before[5:]]) is None
-  assert sweep.changed_command(p, [*before, "--config.lr=0.6"]) == \
+  assert sweep_points.changed_command(p, ["/other/python", *before[1:5], "--config.lr=0.1",
+                                          *before[5:]]) is None
+  assert sweep_points.changed_command(p, [*before, "--config.lr=0.6"]) == \
       "now also --config.lr=0.6; no longer --config.lr=0.5"
-  assert "now also -m other" in sweep.changed_command(p, [before[0], "-m", "other",
-                                                           *before[3:]])
+  assert "now also -m other" in sweep_points.changed_command(p, [before[0], "-m", "other",
+                                                                  *before[3:]])
 
 
 def test_points_share_one_compile_cache_when_the_config_has_one(fake, tmp_path):
@@ -774,8 +780,8 @@ def test_points_share_one_compile_cache_when_the_config_has_one(fake, tmp_path):
   assert all("--config.compile_cache_dir=/elsewhere" in c and "sw/compile_cache" not in c
              for c in cmds), cmds
   # Swept, or a config without the field (the fake's own): nothing added.
-  config = sweep.load_config(str(cfg))
-  assert sweep.shared_overrides(config, {}, [{"compile_cache_dir": "a"}], str(root)) == {}
+  config = sweep_overrides.load_config(str(cfg))
+  assert sweep_overrides.shared_overrides(config, {}, [{"compile_cache_dir": "a"}], str(root)) == {}
   cmds = _sweep_cli(env, *args[:1], fake[0], *args[2:]).stdout.splitlines()
   assert len(cmds) == 2 and not any("compile_cache_dir" in c for c in cmds), cmds
 
@@ -807,9 +813,9 @@ def test_bad_values_stop_the_recipe_sweep_before_any_point_runs(tmp_path):
   assert not (tmp_path / "sw").exists()
   # Other entry points (no builder known): only keys and types are checked.
   config = ml_collections.ConfigDict({"seed": 0, "n": 1})
-  sweep.validate([{"n": -1}], config)
-  with pytest.raises(sweep.SweepError, match=r"sweep point 0 \(n=-1\): n must be >= 0"):
-    sweep.validate([{"n": -1}], config, build=_positive_n)
+  sweep_overrides.validate([{"n": -1}], config)
+  with pytest.raises(sweep_points.SweepError, match=r"sweep point 0 \(n=-1\): n must be >= 0"):
+    sweep_overrides.validate([{"n": -1}], config, build=_positive_n)
 
 
 def _positive_n(config):
@@ -839,10 +845,11 @@ def test_real_recipe_two_points(tmp_path):
 
 
 def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
-  pts = sweep.make_points([{"m": "roc"}, {"m": "u"}], str(tmp_path))
+  pts = sweep_points.make_points([{"m": "roc"}, {"m": "u"}], str(tmp_path))
   _write_point(pts[0], {"pass_at_1": 0.5})
-  md = sweep.write_tables(str(tmp_path), pts, [sweep.Outcome(pts[0], "done"),
-                                               sweep.Outcome(pts[1], "not started")])
+  md = sweep_results.write_tables(str(tmp_path), pts,
+                                  [sweep_runner.Outcome(pts[0], "done"),
+                                   sweep_runner.Outcome(pts[1], "not started")])
   assert "| m=roc | roc |  | 1 |  | 0.5 |" in md, md
   assert "| m=u | u |  | 0 | m=u (not started) | n/a |" in md, md
   assert "None" not in md
@@ -882,7 +889,7 @@ def test_tables_say_which_stages_had_no_learning_signal(tmp_path):
   """A stage whose groups were all-correct or all-wrong trained on zero advantages; its
   DONE.json says so, and the tables carry it: per point the stages, per seed group how
   many seeds. A point with no finished RL stage has no entry (n/a), never "none"."""
-  pts = sweep.make_points([{"seed": 0}, {"seed": 1}, {"seed": 2}], str(tmp_path))
+  pts = sweep_points.make_points([{"seed": 0}, {"seed": 1}, {"seed": 2}], str(tmp_path))
   for p, flags_ in zip(pts, ({"stage1": False, "stage2": True}, {"stage1": False}, None)):
     os.makedirs(p.workdir, exist_ok=True)
     with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
@@ -891,11 +898,12 @@ def test_tables_say_which_stages_had_no_learning_signal(tmp_path):
       os.makedirs(os.path.join(p.workdir, stage))
       with open(os.path.join(p.workdir, stage, "DONE.json"), "w") as f:
         json.dump({"steps": 3, "no_learning_signal": flag}, f)
-  outcomes = [sweep.Outcome(p, "done", 0, 1.0) for p in pts]
-  rows, cols = sweep.result_rows(pts, outcomes)
-  assert [r.get(sweep.NO_SIGNAL_KEY) for r in rows] == ["stage2", "none", None]
-  md = sweep.write_tables(str(tmp_path), pts, outcomes)
+  outcomes = [sweep_runner.Outcome(p, "done", 0, 1.0) for p in pts]
+  rows, cols = sweep_results.result_rows(pts, outcomes)
+  assert [r.get(sweep_results.NO_SIGNAL_KEY) for r in rows] == ["stage2", "none", None]
+  md = sweep_results.write_tables(str(tmp_path), pts, outcomes)
   assert "| stage2 |" in md and "| none |" in md
-  grouped, gcols = sweep.seed_rows(pts, rows, [c for c in cols if c not in ("point", "status", "seed")])
-  assert "no signal" in gcols and sweep.NO_SIGNAL_KEY not in gcols
+  grouped, gcols = sweep_results.seed_rows(
+      pts, rows, [c for c in cols if c not in ("point", "status", "seed")])
+  assert "no signal" in gcols and sweep_results.NO_SIGNAL_KEY not in gcols
   assert grouped[0]["no signal"] == "1 of 2" and grouped[0]["n"] == 3

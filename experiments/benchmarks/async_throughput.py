@@ -82,7 +82,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
   import dataclasses
   from experiments.configs import toy
   from rstar_jax.model import hf_io
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   from rstar_jax.rl import async_rollouts as async_lib
   from rstar_jax.rl import trainer as rl_trainer
   from rstar_jax.rollout import backends
@@ -95,9 +95,9 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
       return [{"status": "ok", "stdout": "1\n", "stderr": ""} for _ in calls]
 
   root = tempfile.mkdtemp(prefix="async_throughput_")
-  cfg = recipe.build_config(toy.get_config("smoke"))
-  ctx = recipe.build_context(cfg, Tools(), workdir=root)
-  first = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  cfg = stages.build_config(toy.get_config("smoke"))
+  ctx = stages.build_context(cfg, Tools(), workdir=root)
+  first = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   stack = contextlib.ExitStack()
   rollout_cfg = cfg.rollout
   if engines == "servers":
@@ -114,7 +114,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
     for k in k_values:
       rl = dataclasses.replace(cfg.rl, checkpoint_every=10_000,
                                async_rollouts=async_lib.AsyncRolloutsConfig(max_staleness=k))
-      model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+      model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
       t = rl_trainer.RLTrainer(rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
                                ctx.train_problems, engines=pool, tools=ctx.tools,
                                workdir=os.path.join(root, f"k{k}"), seed=0, mesh=ctx.mesh,

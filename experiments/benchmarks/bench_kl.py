@@ -32,7 +32,7 @@ import numpy as np
 from experiments import results_json, roofline
 from experiments.configs import toy
 from rstar_jax import optim
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.model import qwen3
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
@@ -64,12 +64,12 @@ def _batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarr
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  cfg = recipe.build_config(toy.get_config(FLAGS.variant))
+  cfg = stages.build_config(toy.get_config(FLAGS.variant))
   rl = cfg.rl
   rows = rl.prompts_per_step * rl.downsample.group_size   # rl.fixed_rows: the most kept
   vocab = cfg.tokenizer.vocab_size
-  qcfg = recipe.model_config.get_preset(cfg.model.preset, vocab_size=vocab,
-                                        **{k: v for k, v in recipe.model_config.overrides_of(
+  qcfg = stages.model_config.get_preset(cfg.model.preset, vocab_size=vocab,
+                                        **{k: v for k, v in stages.model_config.overrides_of(
                                             cfg.model).items() if k != "vocab_size"})
   tx = optim.make_optimizer(rl.optimizer)
   batch = _batch(rows, FLAGS.seq, vocab)

@@ -9,7 +9,7 @@ stage), a Hugging Face export of the final weights (`export/`, what the next sta
 and SGLang load) and `DONE.json`. A rerun skips finished stages, so the recipe is
 resumable stage by stage and, inside a stage, step by step. The resolved config is
 `<workdir>/config.json`; a rerun with a different config is refused while stages it
-produced are finished (see `check_workdir`).
+produced are finished (see `workdir_state.check_workdir`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from rstar_jax.eval import metrics as eval_metrics
 from rstar_jax.eval import suite as eval_suite
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.recipe import preflight_checks
+from rstar_jax.recipe import preflight_checks, workdir_state
 from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import agent_loop, backends, chat, chat_template
@@ -40,8 +40,10 @@ from rstar_jax.rollout import tools as tools_lib
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
-RL_STAGES = ("stage1", "stage2", "stage3")
-ALL_STAGES = ("sft", *RL_STAGES, "eval")
+# The stages in run order: SFT and the RL stages leave a directory each
+# (workdir_state.STAGE_DIRS), the final evaluation its report.
+RL_STAGES = workdir_state.STAGE_DIRS[1:]
+ALL_STAGES = (*workdir_state.STAGE_DIRS, "eval")
 # Seed-stream salts of the evaluation-style runs (see rl.rollouts).
 EVAL_SALT, FILTER_SALT = 99, 77
 
@@ -211,150 +213,6 @@ def generates(config, stages: Sequence[str] | None) -> bool:
   return False
 
 
-def resolved_json(cfg: RecipeConfig) -> str:
-  return json.dumps(config_utils.as_plain(cfg), indent=2)   # field order; schema order kept
-
-
-# ---- work directory --------------------------------------------------------------------
-def _done(workdir: str, stage: str) -> dict | None:
-  path = os.path.join(workdir, stage, "DONE.json")
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        done = json.load(f)
-    except ValueError as e:   # written atomically by us: a hand-made or damaged file
-      raise config_utils.ConfigError(f"{path} is not a JSON object ({e}); remove it to run "
-                                     f"stage {stage} again") from None
-    if not isinstance(done, dict):
-      raise config_utils.ConfigError(f"{path} is not a JSON object; remove it to run stage "
-                                     f"{stage} again")
-    return done
-  return None
-
-
-@contextlib.contextmanager
-def workdir_lock(workdir: str):
-  """Process 0 holds `<workdir>/.lock` for the run: a second run on the same directory
-  (a command started twice, a requeued job overlapping the old one) is refused, on
-  every process. Both ran side by side before, cutting and appending each other's
-  metrics rows and saving the same checkpoint steps from different trajectories."""
-  import fcntl
-  import socket
-  f, refused = None, None
-  if distributed.is_main():
-    f = open(os.path.join(workdir, ".lock"), "a+")
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      f.seek(0)
-      f.truncate()
-      f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-      f.flush()
-    except OSError:
-      f.seek(0)
-      holder = f.read().strip() or "another process"
-      f.close()
-      f = None
-      refused = (f"{workdir} is in use by {holder} (another run of this recipe); wait for it "
-                 f"to end, stop it, or give this run another config.workdir")
-  refused = distributed.share_from_main(refused)
-  if refused:
-    raise config_utils.ConfigError(refused)
-  try:
-    yield
-  finally:
-    if f is not None:
-      f.close()   # the lock goes with the descriptor (and with the process, if killed)
-
-
-def _started(workdir: str, stage: str) -> bool:
-  """Whether `stage` is finished or has saved a checkpoint to resume from."""
-  ckpts = os.path.join(workdir, stage, "checkpoints")
-  return bool(_done(workdir, stage)) or (os.path.isdir(ckpts) and bool(os.listdir(ckpts)))
-
-
-def _mark_done(workdir: str, stage: str, summary: dict) -> None:
-  if not distributed.is_main():
-    return
-  path = os.path.join(workdir, stage, "DONE.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(summary, f, indent=2, default=float)
-  os.replace(path + ".tmp", path)
-
-
-# How a run is launched, not what it computes: never a config change. Process 1 of a
-# multi-process run compares against the config.json that process 0 may have just
-# written (process_id 0); a resumed run may use another coordinator or process count;
-# a fleet's servers come up on new ports (or nodes) at every launch and requeue, and
-# the RL stages of a run whose SFT ran in-process go to servers (cluster_toy.py).
-_LAUNCH_KEYS = ("workdir", "compile_cache_dir", "allow_config_change", "allow_random_init",
-                "distributed", "tools.urls", "rollout.servers", "rollout.backend",
-                "tools.urls_file", "rollout.servers_file",
-                # How often a run saves and how many it keeps, and how the HTTP client
-                # waits and retries: nothing the run computes depends on them (and freeing
-                # disk mid-run should not need allow_config_change).
-                "rl.checkpoint_every", "rl.keep_checkpoints", "sft.checkpoint_every",
-                "sft.keep_checkpoints", "rollout.client")
-
-
-def _is_launch_key(path: str) -> bool:
-  return any(path == k or path.startswith(k + ".") for k in _LAUNCH_KEYS)
-
-
-_diff = config_utils.diff
-
-
-def _make_workdir(path: str) -> str:
-  workdir = os.path.abspath(path)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:   # a file there or above it, no permission
-    raise config_utils.ConfigError(f"config.workdir={workdir}: cannot use it as the run's "
-                                   f"directory ({type(e).__name__}: {e.strerror or e})") from None
-  return workdir
-
-
-def check_workdir(cfg: RecipeConfig) -> tuple[str, str]:
-  """Writes the resolved config to <workdir>/config.json; returns the workdir and the
-  config file that holds this run's config.
-
-  A different config.json already there while stages are finished or have a checkpoint
-  to resume from: refused (they were made with the old one), naming every changed key;
-  with allow_config_change the new one goes beside it (config_<n>.json), never over it."""
-  workdir = _make_workdir(cfg.workdir)
-  text = resolved_json(cfg)
-  path = os.path.join(workdir, "config.json")
-  done = [s for s in ALL_STAGES[:-1] if _started(workdir, s)]
-  if os.path.exists(path) and done:
-    with open(path) as f:
-      old = json.load(f)
-    changes = [c for c in _diff(old, json.loads(text)) if not _is_launch_key(c.split(":", 1)[0])]
-    if changes and not cfg.allow_config_change:
-      raise config_utils.ConfigError(
-          f"{workdir} holds stages {done} (finished or resumable) made with another config; "
-          "changed: "
-          + "; ".join(changes[:20]) + (" ..." if len(changes) > 20 else "")
-          + ". Use a new --config.workdir, or --config.allow_config_change=True to go on "
-          "with the new config (written beside the old one)")
-    if changes:
-      n = 1
-      while os.path.exists(os.path.join(workdir, f"config_{n}.json")):
-        beside = os.path.join(workdir, f"config_{n}.json")
-        with open(beside) as f:
-          if f.read() == text:   # this config again (a rerun): not another copy
-            return workdir, beside
-        n += 1
-      path = os.path.join(workdir, f"config_{n}.json")
-      logging.warning("config differs from the finished stages' (%s); writing %s",
-                      "; ".join(changes), path)
-    else:
-      return workdir, path
-  if distributed.is_main():
-    with open(path + ".tmp", "w") as f:
-      f.write(text)
-    os.replace(path + ".tmp", path)
-  return workdir, path
-
-
 # ---- set-up -------------------------------------------------------------------------
 @dataclasses.dataclass
 class Context:
@@ -471,7 +329,7 @@ def run_sft(ctx: Context, model):
   summary = {"steps": trainer.step, "packing": trainer.pack_stats,
              "final_loss": last.get("sft/loss"),
              "heldout_nll": trainer.heldout_loss()}
-  _mark_done(ctx.workdir, "sft", summary)
+  workdir_state.mark_done(ctx.workdir, "sft", summary)
   return model
 
 
@@ -577,7 +435,7 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
       ckpts = os.path.join(ctx.workdir, prev_stage, "checkpoints")
       if trainer.carry_over_from(ckpts):
         logging.info("%s: carried the optimizer state over from %s", stage, prev_stage)
-      elif (_done(ctx.workdir, prev_stage) or {}).get("steps"):
+      elif (workdir_state.stage_done(ctx.workdir, prev_stage) or {}).get("steps"):
         # Said, not skipped: a fresh Adam (warm-up again) is another run than the recipe's.
         raise config_utils.ConfigError(
             f"{stage}: {prev_stage} trained, but {ckpts} holds no checkpoint to carry its "
@@ -592,9 +450,10 @@ def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
   rows_path = os.path.join(ctx.workdir, stage, "metrics_rl.jsonl")
   last = history[-1] if history else _last_row(rows_path)
   no_signal = distributed.is_main() and _no_learning_signal(stage, rows_path)
-  _mark_done(ctx.workdir, stage, {"steps": trainer.step, "problems": len(problems),
-                                  "no_learning_signal": no_signal,
-                                  **{k: v for k, v in last.items() if k.startswith("rollout/")}})
+  workdir_state.mark_done(ctx.workdir, stage,
+                          {"steps": trainer.step, "problems": len(problems),
+                           "no_learning_signal": no_signal,
+                           **{k: v for k, v in last.items() if k.startswith("rollout/")}})
   return model
 
 
@@ -656,9 +515,9 @@ def _finished_eval(ctx: Context, name: str, source: str):
 def _model_made(ctx: Context, before: str | None = None) -> list:
   """What names the model a stage starts from: the last finished stage before `before`
   (all of them: None), its step count, the starting checkpoint."""
-  prev = _last_done(ctx.workdir, before or "")
-  return [prev, (_done(ctx.workdir, prev) or {}).get("steps") if prev else None,
-          ctx.config.model.hf_dir]
+  prev = workdir_state.last_done(ctx.workdir, before or "")
+  steps = (workdir_state.stage_done(ctx.workdir, prev) or {}).get("steps") if prev else None
+  return [prev, steps, ctx.config.model.hf_dir]
 
 
 def _evaluate(ctx: Context, engines, name: str, source: str):
@@ -737,12 +596,12 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
       print("sft: disabled (config.sft.enabled=False)")
     elif stage in RL_STAGES and getattr(cfg, stage).num_steps <= 0:
       print(f"{stage}: 0 steps, skipped")
-    elif stage == "sft" and _done(workdir, stage) and cfg.eval.after_sft and not os.path.exists(
-        os.path.join(workdir, "eval_after_sft.json")):
+    elif (stage == "sft" and workdir_state.stage_done(workdir, stage) and cfg.eval.after_sft
+          and not os.path.exists(os.path.join(workdir, "eval_after_sft.json"))):
       # SFT is marked done before its evaluation runs: a run stopped in between resumes here.
       print("sft: already done, its evaluation (config.eval.after_sft) is not: evaluating it")
       todo.append(stage)
-    elif stage != "eval" and _done(workdir, stage):
+    elif stage != "eval" and workdir_state.stage_done(workdir, stage):
       print(f"{stage}: already done ({os.path.join(workdir, stage, 'DONE.json')}), skipped")
     else:
       todo.append(stage)
@@ -750,7 +609,8 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
     _check_eval_data(cfg, "the eval stage" if "eval" in todo else "config.eval.after_sft")
   first_model_stage = next((s for s in todo if s != "sft"), None)
   if first_model_stage and "sft" not in todo and not cfg.model.hf_dir \
-      and not cfg.allow_random_init and not _last_done(workdir, first_model_stage):
+      and not cfg.allow_random_init \
+      and not workdir_state.last_done(workdir, first_model_stage):
     raise config_utils.ConfigError(
         f"{first_model_stage} would start from a randomly initialised model: no earlier stage "
         f"is finished in {workdir} and config.model.hf_dir is not set. Run SFT first "
@@ -772,13 +632,6 @@ def _check_eval_data(cfg: RecipeConfig, why: str) -> None:
   if cfg.data.kind == "toy" and cfg.data.toy.eval_problems == 0:
     raise config_utils.ConfigError(
         f"this run evaluates ({why}) but config.data.toy.eval_problems is 0")
-
-
-def _last_done(workdir: str, before: str) -> str | None:
-  order = ["sft", *RL_STAGES]
-  stop = order.index(before) if before in order else len(order)
-  done = [s for s in order[:stop] if _done(workdir, s)]
-  return done[-1] if done else None
 
 
 def start_distributed(cfg: RecipeConfig) -> None:
@@ -887,7 +740,7 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     check_rollout_memory(cfg)
   if distributed.is_main():   # a sandbox that cannot start here: said before any work
     tools_lib.check_local_sandbox(cfg.tools)
-  with workdir_lock(_make_workdir(cfg.workdir)):
+  with workdir_state.workdir_lock(workdir_state.make_workdir(cfg.workdir)):
     return _run_locked(cfg, stages)
 
 
@@ -900,15 +753,16 @@ def _file_defaults() -> tuple[str, dict] | None:
     return None
   spec, config = file_config
   try:
-    return spec, json.loads(resolved_json(build_config(config)))
+    return spec, json.loads(workdir_state.resolved_json(build_config(config)))
   except (TypeError, ValueError):
     return None
 
 
 def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, Any]:
-  workdir, config_path = check_workdir(cfg)
+  workdir, config_path = workdir_state.check_workdir(cfg)
   if distributed.is_main():
-    print(config_utils.summary(json.loads(resolved_json(cfg)), config_path, _file_defaults()))
+    print(config_utils.summary(json.loads(workdir_state.resolved_json(cfg)), config_path,
+                               _file_defaults()))
   todo = plan(cfg, workdir, stages)
   reports: dict[str, Any] = {}
   if not todo:
@@ -949,12 +803,14 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
       raise interrupt.Interrupted(stop.signum or signal.SIGTERM, after=f"stage {done}")
 
   def last_done(before: str) -> str | None:
-    return distributed.on_main(lambda: _last_done(workdir, before), "reading DONE.json")
+    return distributed.on_main(lambda: workdir_state.last_done(workdir, before),
+                               "reading DONE.json")
 
   for stage in todo:
     if stage == "eval":
       continue
-    sft_eval_only = stage == "sft" and bool(_done(workdir, "sft"))   # see `plan`
+    # See `plan`.
+    sft_eval_only = stage == "sft" and bool(workdir_state.stage_done(workdir, "sft"))
     if sft_eval_only:
       model = load_stage_model(ctx, "sft")
     prev = last_done(stage)
@@ -1008,7 +864,7 @@ def evaluate_hf_dir(config, hf_dir: str):
   _check_eval_data(cfg, "--hf_dir")
   if distributed.is_main():
     tools_lib.check_local_sandbox(cfg.tools)
-  workdir = _make_workdir(cfg.workdir)
+  workdir = workdir_state.make_workdir(cfg.workdir)
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
     tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)
   elif cfg.tokenizer.kind == "hf":
@@ -1018,7 +874,7 @@ def evaluate_hf_dir(config, hf_dir: str):
         f"--hf_dir {hf_dir} has no tokenizer.json, and config.tokenizer.kind='toy' would "
         "train a new tokenizer that does not match it; set --config.tokenizer.kind=hf "
         "--config.tokenizer.path=DIR")
-  with workdir_lock(workdir), _tools(cfg) as tools:
+  with workdir_state.workdir_lock(workdir), _tools(cfg) as tools:
     ctx = build_context(cfg, tools, workdir, tokenizer=tok)
     model = hf_io.load_hf(hf_dir, mesh=ctx.mesh, rules=ctx.rules, **runtime_overrides(cfg))
     try:

@@ -104,21 +104,21 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
   records, and with eval.after_sft every rerun failed again before reaching RL."""
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages as recipe
+  from rstar_jax.recipe import stages
   c = toy.get_config("smoke")
   c.data.kind, c.data.train_files = "files", ("train.jsonl",)
   c.eval.after_sft = True
-  cfg = recipe.build_config(c)
+  cfg = stages.build_config(c)
   workdir = str(tmp_path)
   with pytest.raises(config_utils.ConfigError,
                      match=r"\(the eval stage\) but config.data.eval_files is empty"):
-    recipe.plan(cfg, workdir, None)
+    stages.plan(cfg, workdir, None)
   with pytest.raises(config_utils.ConfigError,
                      match=r"\(config.eval.after_sft\) but config.data.eval_files is empty"):
-    recipe.plan(cfg, workdir, ["sft"])
+    stages.plan(cfg, workdir, ["sft"])
   c.eval.after_sft = False
-  assert recipe.plan(recipe.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
+  assert stages.plan(stages.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
   c = toy.get_config("smoke")
   c.data.toy.eval_problems = 0
   with pytest.raises(config_utils.ConfigError, match="config.data.toy.eval_problems is 0"):
-    recipe.plan(recipe.build_config(c), workdir, ["eval"])
+    stages.plan(stages.build_config(c), workdir, ["eval"])

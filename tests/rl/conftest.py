@@ -3,7 +3,7 @@ that answer every call with "1" (the tiny random policy rarely writes one)."""
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.rollout import backends
 
 
@@ -16,9 +16,9 @@ class OkTools:
 def smoke_rl(tmp_path_factory):
   """(config, context, model, engine pool, work root) of toy.py:smoke."""
   root = tmp_path_factory.mktemp("smoke_rl")
-  cfg = recipe.build_config(toy.get_config("smoke"))
-  ctx = recipe.build_context(cfg, OkTools(), workdir=str(root))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  cfg = stages.build_config(toy.get_config("smoke"))
+  ctx = stages.build_context(cfg, OkTools(), workdir=str(root))
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
   yield cfg, ctx, model, pool, root
   pool.stop()

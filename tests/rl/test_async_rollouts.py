@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import batching, rollouts
 from rstar_jax.rl import train_step as ts
@@ -50,10 +50,10 @@ def setup(tmp_path_factory):
   c.rl.update(prompts_per_step=4, samples_per_prompt=4)
   c.rl.downsample.update(group_size=2)
   c.stage1.agent.max_response_tokens = 32
-  cfg = recipe.build_config(c)
+  cfg = stages.build_config(c)
   tools = Tools()
-  ctx = recipe.build_context(cfg, tools, workdir=str(root))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  ctx = stages.build_context(cfg, tools, workdir=str(root))
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
   yield cfg, ctx, pool, root
   pool.stop()
@@ -69,7 +69,7 @@ def _trainer(setup, name, k, **loss):
   rl = dataclasses.replace(
       cfg.rl, async_rollouts=async_lib.AsyncRolloutsConfig(max_staleness=k),
       loss=dataclasses.replace(cfg.rl.loss, **loss))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   return rl_trainer.RLTrainer(rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
                               ctx.train_problems, engines=pool, tools=ctx.tools,
                               workdir=str(root / name), seed=0, mesh=ctx.mesh,
@@ -235,7 +235,7 @@ def test_in_flight_updates_keep_the_bound_and_never_split_a_generation_call(setu
   cfg, ctx, pool, root = setup
   rl = dataclasses.replace(cfg.rl, async_rollouts=async_lib.AsyncRolloutsConfig(
       max_staleness=1, weight_updates="between_requests"))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   t = rl_trainer.RLTrainer(rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
                            ctx.train_problems, engines=pool, tools=ctx.tools,
                            workdir=str(root / "k1_in_flight"), seed=0, mesh=ctx.mesh,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rstar_jax import optim
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.model import config as model_config
 from rstar_jax.model import hf_io
 from rstar_jax.rl import advantages as adv_lib
@@ -107,7 +107,7 @@ def small(smoke_rl):
                            downsample=dataclasses.replace(cfg.rl.downsample, group_size=2))
   agent = dataclasses.replace(cfg.stage1.agent, max_response_tokens=24)
   export = str(root / "reference_export")
-  hf_io.save_hf(recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules), export,
+  hf_io.save_hf(stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules), export,
                 dtype=cfg.model.param_dtype)
   yield cfg, ctx, pool, root, rl, agent, export
   for k, v in old.items():
@@ -117,7 +117,7 @@ def small(smoke_rl):
 
 def _model(cfg, ctx, **model_overrides):
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_overrides))
-  return recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  return stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
 
 
 def _one_rl_step(small, name, rl, **model_overrides):
@@ -181,7 +181,7 @@ def test_every_sft_option_runs_a_step(small, field, value):
 
 
 def _one_sft_step(cfg, ctx, workdir, sft, model):
-  pairs = recipe.sft_pairs(ctx)[:40]
+  pairs = stages.sft_pairs(ctx)[:40]
   sft = dataclasses.replace(sft, epochs=0.01, heldout_share=0.0)   # one step
   t = sft_trainer.SFTTrainer(sft, model, pairs, str(workdir), seed=0,
                              pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh, rules=ctx.rules)
@@ -261,7 +261,7 @@ def test_a_resumed_stage_has_the_same_reference_and_refuses_another(small):
 
   def trainer(seed):
     c = dataclasses.replace(cfg, seed=seed)
-    model = recipe.initial_model(c, ctx.tokenizer, ctx.mesh, ctx.rules)
+    model = stages.initial_model(c, ctx.tokenizer, ctx.mesh, ctx.rules)
     return rl_trainer.RLTrainer(rl, agent, model, ctx.tokenizer, ctx.proto,
                                 ctx.train_problems, engines=pool, tools=ctx.tools,
                                 workdir=str(root / "resume_ref"), seed=0, mesh=ctx.mesh,

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.rl import rollouts
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import backends
@@ -66,10 +66,10 @@ def _run(root, stagger: bool, resume: bool = False):
   # would otherwise prefill up to 4 requests per call and attend to length buckets
   # (the switch overrides both): without the switch this test fails.
   c.rollout.engine.update(num_slots=4, max_len=768, prefill_batch_tokens=1024)
-  cfg = recipe.build_config(c)
+  cfg = stages.build_config(c)
   tools = Tools(stagger)
-  ctx = recipe.build_context(cfg, tools, workdir=str(root))
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  ctx = stages.build_context(cfg, tools, workdir=str(root))
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))
   engines = Staggered(pool) if stagger else pool
 
@@ -85,7 +85,7 @@ def _run(root, stagger: bool, resume: bool = False):
       # any later point leaves), then a new trainer resumes from it.
       history = t.run(1, progress=False)
       t.close()
-      t = trainer(recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules))
+      t = trainer(stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules))
       assert t.maybe_restore() and t.step == 1
       history += t.run(STEPS, progress=False)
     else:

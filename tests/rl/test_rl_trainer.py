@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.rl import trainer as rl_trainer
 
 
@@ -39,7 +39,7 @@ def parts(smoke_rl):
 def _trainer(parts, stage, log):
   cfg, ctx, _, pool, root = parts
   # A model of its own: a trainer's jitted step donates (deletes) the arrays it started from.
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   return rl_trainer.RLTrainer(cfg.rl, cfg.stage1.agent, model, ctx.tokenizer, ctx.proto,
                               ctx.train_problems, engines=_Recording(pool, log), tools=ctx.tools,
                               workdir=str(root / stage), seed=0, mesh=ctx.mesh, rules=ctx.rules)

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages as recipe
+from rstar_jax.recipe import stages
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
@@ -20,15 +20,15 @@ class _Tools:
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
   root = tmp_path_factory.mktemp("sft_trainer")
-  cfg = recipe.build_config(toy.get_config("smoke"))
-  ctx = recipe.build_context(cfg, _Tools(), workdir=str(root))
-  return cfg, ctx, recipe.sft_pairs(ctx), root
+  cfg = stages.build_config(toy.get_config("smoke"))
+  ctx = stages.build_context(cfg, _Tools(), workdir=str(root))
+  return cfg, ctx, stages.sft_pairs(ctx), root
 
 
 def _trainer(parts, name, pairs=None):
   cfg, ctx, all_pairs, root = parts
   pairs = all_pairs if pairs is None else pairs
-  model = recipe.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
+  model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   sft = dataclasses.replace(cfg.sft, checkpoint_every=100)   # none periodic in this run
   return sft_trainer.SFTTrainer(sft, model, pairs, str(root / name), seed=0,
                                 pad_id=ctx.tokenizer.pad_id, mesh=ctx.mesh, rules=ctx.rules)
