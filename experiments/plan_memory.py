@@ -73,12 +73,11 @@ from rstar_jax import config_utils
 from rstar_jax import optim
 from rstar_jax.model import config as model_config
 from rstar_jax.model import qwen3
+from rstar_jax.recipe.layout import ACCELERATORS  # HBM per device, GB
 from rstar_jax import sharding
 from rstar_jax.rl import losses
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
-
-from experiments.preflight import ACCELERATORS  # noqa: E402  (HBM per device, GB)
 
 GB = 1e9
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from experiments import preflight as pf
+from rstar_jax.recipe import layout as layout_lib
 from rstar_jax.recipe import preflight_checks as checks
 from rstar_jax import config_utils
 from rstar_jax.model import config as model_config
@@ -67,7 +68,7 @@ def test_the_old_engine_on_one_device_is_refused_naming_the_field():
   cfg = model_config.get_preset("qwen3-14b", dtype="bfloat16")   # the cache's dtype
   old = backends.RolloutConfig(backend="jax", engine=EngineConfig(num_slots=64, max_len=13_312))
   weights = checks.weight_bytes(cfg, "float32")
-  for accel, hbm in pf.ACCELERATORS.items():
+  for accel, hbm in layout_lib.ACCELERATORS.items():
     problems = checks.check_rollout_memory(cfg, old, device_bytes=hbm * GB,
                                        trainer_resident_bytes=weights)
     assert [p.field for p in problems] == ["rollout.engine.num_slots"], accel
@@ -83,7 +84,7 @@ def test_the_old_engine_on_one_device_is_refused_naming_the_field():
   # SGLang on one GPU of each kind holds the bf16 weights and >= one trajectory.
   sg = backends.RolloutConfig(backend="sglang", servers=("http://x:1",),
                               engine=EngineConfig(max_len=13_312))
-  for hbm in pf.ACCELERATORS.values():
+  for hbm in layout_lib.ACCELERATORS.values():
     assert not checks.check_rollout_memory(cfg, sg, device_bytes=hbm * GB)
   # 0.35 x 80 GB < 29.5 GB of weights; 0.38 x 80 GB leaves 0.9 GB: 5,200 tokens < 13,312.
   for fraction, field in ((0.35, "layout.gpus_per_server"), (0.38, "layout.sglang_mem_fraction")):
@@ -96,7 +97,7 @@ def test_the_old_engine_on_one_device_is_refused_naming_the_field():
 def test_the_config_states_the_layout_once():
   from rstar_jax.recipe import cluster
   from rstar_jax.recipe import stages
-  layout = config_utils.build(pf.Layout, config_utils._load_config_file(CFG + ":layout"))
+  layout = config_utils.build(layout_lib.Layout, config_utils._load_config_file(CFG + ":layout"))
   assert (layout.trainer_devices, layout.rollout_servers, layout.sandbox_servers) == (32, 32, 4)
   c = config_utils._load_config_file(CFG)
   assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (1, 8, 4)

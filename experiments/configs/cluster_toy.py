@@ -12,14 +12,13 @@ builds it from that config's one layout (docs/guides/cluster.md).
 """
 import ml_collections
 
-from rstar_jax.recipe import cluster
-from rstar_jax import config_utils as cu
+from rstar_jax.recipe import sections
 
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.cluster = cu.section(
-      cluster.ClusterConfig, sandbox_servers=2, sandbox_cpus=0.5, rollout_servers=1,
+  c.cluster = sections.section(
+      sections.ClusterConfig, sandbox_servers=2, sandbox_cpus=0.5, rollout_servers=1,
       rollout_backend="server", rollout_hf_dir="", rollout_cpus=0.5,
       rollout_args=("--num_slots", "16"), trainer_processes=1, trainer_cpus=1.0,
       trainer_module="experiments.train_rl", trainer_config="experiments/configs/toy.py",

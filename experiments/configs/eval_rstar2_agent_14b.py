@@ -12,31 +12,29 @@ config.data and config.tokenizer are not used by --suite: the benchmarks come fr
 --benchmarks, the tokenizer from --hf_dir.
 """
 from experiments.configs import rstar2_agent_14b
-from rstar_jax import config_utils as cu
-from rstar_jax.recipe import stages as recipe
-from rstar_jax.eval import suite
+from rstar_jax.recipe import sections
 
 
 def get_config():
   c = rstar2_agent_14b.get_config()
-  s = cu.section
+  s = sections.section
   c.workdir = "/tmp/rstar2_eval"
-  c.mesh = s(recipe.sharding.MeshConfig, enabled=False)
+  c.mesh = s(sections.MeshConfig, enabled=False)
   # The architecture comes from --hf_dir; the preset only makes the section build. What
   # --suite takes from here are the runtime fields (dtypes, attention), for backend jax.
-  c.model = s(recipe.model_config.ModelConfig, preset="qwen3-14b", param_dtype="bfloat16",
+  c.model = s(sections.ModelConfig, preset="qwen3-14b", param_dtype="bfloat16",
               dtype="bfloat16", remat_policy="none", attention_impl="auto")  # cuDNN on NVIDIA, else chunked
-  c.tokenizer = s(recipe.sources.TokenizerConfig)   # unused: --hf_dir's tokenizer
-  c.data = s(recipe.sources.DataConfig)             # unused: --benchmarks
+  c.tokenizer = s(sections.TokenizerConfig)   # unused: --hf_dir's tokenizer
+  c.data = s(sections.DataConfig)             # unused: --benchmarks
   # The sandbox on the node's CPUs: 16 samples x 30 problems run at once with a few
   # calls each; 10 s per call as in training.
-  c.tools = s(recipe.tools_lib.ToolsConfig, urls=(), local_max_children=16, timeout_s=10.0)
-  c.rollout = s(recipe.backends.RolloutConfig, backend="sglang",
+  c.tools = s(sections.ToolsConfig, urls=(), local_max_children=16, timeout_s=10.0)
+  c.rollout = s(sections.RolloutConfig, backend="sglang",
                 servers=("http://127.0.0.1:30000",),
                 engine=dict(num_slots=16, max_len=32_768))   # 30,720 + the prompt
-  k, agent = suite.PROTOCOLS["report"]
-  c.eval = s(recipe.EvalStage, after_sft=False, k=k, agent=agent)
-  for stage in recipe.RL_STAGES:
+  k, agent = sections.PROTOCOLS["report"]
+  c.eval = s(sections.EvalStage, after_sft=False, k=k, agent=agent)
+  for stage in sections.RL_STAGES:
     getattr(c, stage).num_steps = 0
   c.sft.enabled = False
   return c

@@ -23,8 +23,7 @@ import ml_collections
 
 from experiments.configs import rstar2_agent_14b as base
 from experiments.configs import toy
-from experiments import preflight
-from rstar_jax import config_utils as cu
+from rstar_jax.recipe import sections
 
 # The 14B layout with one server per rollout node, each holding the node's 8 devices.
 LAYOUT = dict(base.LAYOUT, servers_per_node=1, gpus_per_server=8, sandbox_children=4)
@@ -35,13 +34,13 @@ PROMPTS, SAMPLES, KEEP = 8, 8, 4    # 8 prompts x 8 samples, RoC keeps 4 per gro
 SHARED = "/tmp/rstar_slurm/shared"  # experiments.local_slurm's default --dir's storage
 
 
-def layout() -> preflight.Layout:
-  return preflight.Layout(**LAYOUT)
+def layout() -> sections.Layout:
+  return sections.Layout(**LAYOUT)
 
 
 def get_config(variant: str = ""):
   if variant == "layout":
-    return cu.section(preflight.Layout, **LAYOUT)
+    return sections.section(sections.Layout, **LAYOUT)
   if variant == "cluster":
     return _cluster()
   if variant not in ("", "sft"):

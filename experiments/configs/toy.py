@@ -15,14 +15,12 @@ Variants (`--config experiments/configs/toy.py:VARIANT`):
           (non-zero reward and gradients): the whole pipeline in ~1 min (what
           tests/test_recipe.py runs).
 """
-from rstar_jax import config_utils as cu
-from rstar_jax.recipe import stages as recipe
-from rstar_jax.data import toy_task
+from rstar_jax.recipe import sections
 
 
 def get_config(variant: str = ""):
-  s = cu.section
-  c = s(recipe.RecipeConfig, seed=0, workdir="/tmp/rstar_toy",
+  s = sections.section
+  c = s(sections.RecipeConfig, seed=0, workdir="/tmp/rstar_toy",
         # XLA executables in <workdir>/compile_cache: later stages reuse the earlier ones'.
         compile_cache=True)
 
@@ -31,23 +29,23 @@ def get_config(variant: str = ""):
   # model forms after ~300-400 SFT steps. Head dims 32 / 64 / 128 were compared with the
   # copy probe that experiments/toy_sft_curve.py runs (docs/guides/toy_recipe.md): 64
   # copies best per second of SFT. vocab_size stays None: the tokenizer's.
-  c.model = s(recipe.model_config.ModelConfig, preset="small", hidden_size=128,
+  c.model = s(sections.ModelConfig, preset="small", hidden_size=128,
               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
               param_dtype="float32", dtype="float32", remat_policy="none",
               attention_impl="blockwise", attention_chunk=32)
   # number_chunk: digits per number token (1 = Qwen's one-digit split).
-  c.tokenizer = s(recipe.sources.TokenizerConfig, kind="toy", vocab_size=2048, number_chunk=3)
+  c.tokenizer = s(sections.TokenizerConfig, kind="toy", vocab_size=2048, number_chunk=3)
   # The release's protocol with short texts (58 system tokens instead of 597) and no
   # run time in tool responses (reproducible rollouts).
-  c.chat = s(recipe.chat.ChatConfig, **cu.as_plain(toy_task.toy_chat_config()))
-  c.data = s(recipe.sources.DataConfig, kind="toy",
+  c.chat = s(sections.ChatConfig, **sections.as_plain(sections.toy_chat_config()))
+  c.data = s(sections.DataConfig, kind="toy",
              toy=dict(levels=(1, 2), kinds=(), train_problems=2000, eval_problems=128))
-  c.tools = s(recipe.tools_lib.ToolsConfig, local_max_children=2, timeout_s=5.0)
+  c.tools = s(sections.ToolsConfig, local_max_children=2, timeout_s=5.0)
   # batch_invariant: a trajectory's tokens and log-probs do not depend on what shares
   # the engine with it or when, so two runs of this config give the same bits
   # (docs/guides/reproducibility.md: what it costs).
-  c.rollout = s(recipe.backends.RolloutConfig, backend="jax", scheduler_policy="sticky",
+  c.rollout = s(sections.RolloutConfig, backend="jax", scheduler_policy="sticky",
                 engine=dict(num_slots=64, max_len=384, batch_invariant=True))
 
   # ~2000 steps of 12 x 320 packed tokens (~9.5 min on a 2-core host whose matmul peak is
@@ -56,7 +54,7 @@ def get_config(variant: str = ""):
   # generalise to chunks it has hardly seen. The traces run up to 258 tokens (median 150):
   # rows of 320 pack them 92% full, rows of 288 only 76% (two median traces do not
   # fit), so 320 trains 1.2x the tokens per second of 288 and holds the longest trace.
-  c.sft = s(recipe.SFTStage, enabled=True, epochs=5.0, seq_len=320, rows_per_step=12,
+  c.sft = s(sections.SFTStage, enabled=True, epochs=5.0, seq_len=320, rows_per_step=12,
             heldout_share=0.05, eval_every=200, checkpoint_every=300,
             data=dict(num_traces=10000, traces=dict(bug_share=0.2, no_tool_share=0.3)),
             optimizer=dict(learning_rate=6e-3, warmup_steps=10, schedule="warmup_cosine",
@@ -65,7 +63,7 @@ def get_config(variant: str = ""):
 
   # drop_equal_reward_groups: with a sparse reward most groups carry no signal; an
   # update from them alone still moves the weights through Adam's momentum.
-  c.rl = s(recipe.rl_trainer.RLConfig, prompts_per_step=16, samples_per_prompt=8,
+  c.rl = s(sections.RLConfig, prompts_per_step=16, samples_per_prompt=8,
            old_logprobs="sampler", checkpoint_every=10, length_multiple=64, fixed_rows=True,
            downsample=dict(method="roc", group_size=4, positive_selection="sample",
                            drop_equal_reward_groups=True),
@@ -76,13 +74,13 @@ def get_config(variant: str = ""):
                           grad_clip_norm=1.0),
            step=dict(micro_batches=1, logprob_chunk=512))
   agent = dict(max_turns=4, max_response_tokens=192, temperature=1.0, top_p=1.0)
-  c.stage1 = s(recipe.RLStage, num_steps=40, agent=agent, hard_k=4)
-  c.stage2 = s(recipe.RLStage, num_steps=8, agent=dict(agent, max_response_tokens=256),
+  c.stage1 = s(sections.RLStage, num_steps=40, agent=agent, hard_k=4)
+  c.stage2 = s(sections.RLStage, num_steps=8, agent=dict(agent, max_response_tokens=256),
                hard_k=4)
   # Stage 3: only problems the policy does not solve 4/4 (of the first 128), fresh Adam.
-  c.stage3 = s(recipe.RLStage, num_steps=8, hard_only=True, hard_k=4, hard_pool=128,
+  c.stage3 = s(sections.RLStage, num_steps=8, hard_only=True, hard_k=4, hard_pool=128,
                reset_optimizer=True, agent=dict(agent, max_response_tokens=256, max_turns=6))
-  c.eval = s(recipe.EvalStage, after_sft=True, k=4,
+  c.eval = s(sections.EvalStage, after_sft=True, k=4,
              agent=dict(max_turns=6, max_response_tokens=256, temperature=1.0, top_p=1.0))
 
   if variant == "smoke":
