@@ -8,7 +8,7 @@ Run it in either of two ways:
 
 * wrapping the run, so that everything in meta.json is measured in the same process: the
   command after `--` runs in the current directory, with the fp32 1024^3 matmul peak
-  (`experiments.roofline`) and the load average measured before it starts and after it
+  (`experiments.common.roofline`) and the load average measured before it starts and after it
   ends, and its wall time; then the work directory is collected:
     python -m experiments.collect_results --workdir /tmp/rstar_toy --name toy_recipe -- \
         python -m experiments.recipe --config experiments/configs/toy.py --config.workdir=/tmp/rstar_toy
@@ -28,8 +28,8 @@ stays a few MB, `--max_mb`):
   sweep      `sweep.json` and `results.md` (written when a sweep ends); every point must be
              a finished recipe run. Copied: results.md / .csv, results_seeds.csv, sweep.json,
              and each point as a recipe run under `points/<point>/`, without trajectories.
-  benchmark  JSON files only, from a benchmark's `--out` (e.g. `experiments.async_throughput
-             --out <workdir>/async_throughput.json`). Copied: every `*.json`, plus a plot of
+  benchmark  JSON files only, from a benchmark's `--out` (e.g.
+             `experiments.benchmarks.async_throughput --out <workdir>/async_throughput.json`). Copied: every `*.json`, plus a plot of
              per-step seconds when a file holds `measured` rows with `per_step_s`.
 
 `--extra FILE` copies more files (a run's stdout log, say). meta.json holds: date, commit
@@ -56,7 +56,7 @@ import time
 from absl import app
 from absl import flags
 
-from experiments import results_json
+from experiments.common import results_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE_STAGES = ("sft", "stage1", "stage2", "stage3")
@@ -288,7 +288,7 @@ def git_state(code_dir: str) -> dict:
 
 
 def matmul_peak(rounds: int) -> dict:
-  from experiments import roofline
+  from experiments.common import roofline
   peaks = [roofline.matmul_peak_gflops() for _ in range(rounds)]
   return {"what": "fp32 1024^3 jitted matmul, GFLOP/s, each round the median of 7",
           "rounds": peaks, "min": min(peaks), "median": statistics.median(peaks),

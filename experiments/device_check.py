@@ -436,8 +436,8 @@ def _peak_bytes() -> int | None:
 
 def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
   del ctx
-  from experiments import roofline
-  from experiments import step_timing
+  from experiments.common import roofline
+  from experiments.common import step_timing
   import jax
   out: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
                          "hostname": platform.node()}
@@ -526,7 +526,7 @@ def section_numerics(ctx: dict[str, Any]) -> dict[str, Any]:
   import jax.numpy as jnp
   import numpy as np
 
-  from experiments import step_timing
+  from experiments.common import step_timing
   from rstar_jax.model import qwen3
 
   sz = sizes()
@@ -607,8 +607,8 @@ def _peaks(ctx: dict[str, Any], n_dev: int) -> dict[str, float]:
 
 
 def section_train_step(ctx: dict[str, Any]) -> dict[str, Any]:
-  from experiments import roofline
-  from experiments import step_timing
+  from experiments.common import roofline
+  from experiments.common import step_timing
   from rstar_jax.train import step as core
 
   sz = sizes()
@@ -808,8 +808,8 @@ def section_parts(ctx: dict[str, Any]) -> dict[str, Any]:
   import jax.numpy as jnp
   import optax
 
-  from experiments import roofline
-  from experiments import step_timing
+  from experiments.common import roofline
+  from experiments.common import step_timing
   from rstar_jax import optim
   from rstar_jax.model import qwen3
   from rstar_jax.train import step as core
@@ -901,7 +901,7 @@ def section_memory(ctx: dict[str, Any]) -> dict[str, Any]:
   import jax
 
   from experiments import plan_memory as pm
-  from experiments import step_timing
+  from experiments.common import step_timing
   from rstar_jax.train import step as core
 
   sz = sizes()
@@ -987,7 +987,7 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
   import jax
   import numpy as np
 
-  from experiments.scripted_rollouts import TimedTools, ToolCallingEngine
+  from experiments.common.scripted_rollouts import TimedTools, ToolCallingEngine
   from rstar_jax.data import toy_task
   from rstar_jax.model import config as model_config, qwen3
   from rstar_jax.rollout import chat

@@ -21,9 +21,9 @@ import sys
 from absl import app
 from absl import flags
 
-from experiments import results_json
-from experiments import roofline
-from experiments import step_timing
+from experiments.common import results_json
+from experiments.common import roofline
+from experiments.common import step_timing
 
 flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("batch", 8, "trajectories per step")

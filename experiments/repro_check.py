@@ -42,7 +42,7 @@ import time
 from absl import app
 from absl import flags
 
-from experiments import results_json
+from experiments.common import results_json
 
 flags.DEFINE_string("workdir", "/tmp/rstar_repro", "runs go to <workdir>/run0, run1")
 flags.DEFINE_string("config", "experiments/configs/toy.py", "the recipe config file")

@@ -24,7 +24,7 @@ import time
 from absl import app
 from absl import flags
 
-from experiments import results_json
+from experiments.common import results_json
 
 README_TESTS = ["python", "-m", "pytest", "-q", "-m", "not slow", "-n", "2", "--dist", "loadfile"]
 # A burner spins until its parent (this process) is gone.

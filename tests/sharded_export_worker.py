@@ -1,4 +1,4 @@
-"""One process of tests/test_sharded_export.py (and experiments/bench_publish.py's
+"""One process of tests/test_sharded_export.py (and experiments/benchmarks/bench_publish.py's
 layout): a Qwen3 loaded onto the (data 2, fsdp 2, tensor 2) mesh over every device of
 the job, then exported by every process at once.
 

@@ -11,9 +11,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("cmd", [
-    ["-m", "experiments.bench_model", "--repeats=0"],
+    ["-m", "experiments.benchmarks.bench_model", "--repeats=0"],
     ["-m", "experiments.gpu_smoke", "--micro_batches=0"],
-    ["experiments/bench_sandbox.py", "--spin_rounds=0"],
+    ["-m", "experiments.benchmarks.bench_sandbox", "--spin_rounds=0"],
 ])
 def test_zero_counts_are_flag_errors(cmd):
   out = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True,

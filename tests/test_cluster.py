@@ -6,7 +6,7 @@ import queue as queue_lib
 
 import pytest
 
-from experiments import standins
+from experiments.common import standin_trainers
 from rstar_jax.recipe import cluster
 
 
@@ -290,8 +290,8 @@ def test_a_lost_node_s_servers_move_and_the_trainer_follows_their_new_urls(tmp_p
   restarted with the new URLs. The driver runs in a fresh process, so that no Ray state
   of an earlier test in this process carries over."""
   import json
-  out = _on_ray_nodes(tmp_path, _lose_a_server_node, standins.URL_TRAINER, head_cpus=3,
-                      node_cpus=(1,), live=live)
+  out = _on_ray_nodes(tmp_path, _lose_a_server_node, standin_trainers.URL_TRAINER,
+                      head_cpus=3, node_cpus=(1,), live=live)
   before, after = out["before"], out["after"]
   assert out["codes"] == [0]
   moved = [i for i in range(2) if before[i] != after[i]]

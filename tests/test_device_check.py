@@ -202,7 +202,7 @@ def test_memory_check_fails_off_the_cpu_host_plan(full):
 
 
 def _cpu_dot_product_custom_calls():
-  from experiments import step_timing
+  from experiments.common import step_timing
   q = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
 
   def f(q):
@@ -221,7 +221,7 @@ def test_dot_product_check_fails_without_cudnn_in_the_hlo(full):
     met, detail = dc.check_dot_product_attention(calls, 2.0)
     assert met is False and "NOT in the step" in detail
   # HLO text with cuDNN's forward and backward fused attention (as the H100 step's).
-  from experiments import step_timing
+  from experiments.common import step_timing
   text = ('%a = custom-call(...), custom_call_target="__cudnn$fmhaScaleBiasSoftmax"\n'
           '%b = custom-call(...), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"\n'
           '%c = custom-call(...), custom_call_target="__cublas$gemm"')

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _reference_first_loss():
   """The clip-higher token-mean loss of the tiny model's first step, from full logits
   in float64 (numpy), with the report's defaults eps_low 0.2, eps_high 0.28."""
-  from experiments import step_timing
+  from experiments.common import step_timing
   from rstar_jax.model import config as model_config, qwen3
   cfg = model_config.get_preset("tiny", hidden_size=64, intermediate_size=128, head_dim=16,
                                 num_hidden_layers=2, vocab_size=512)

@@ -181,14 +181,14 @@ def test_03_perf_from_the_benchmarks_json(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   out = {k: str(tmp_path / f"bench_{k}.json") for k in ("sandbox", "model", "rollout")}
   commands = {
-      "sandbox": [sys.executable, "experiments/bench_sandbox.py", "--quick", "--nobaseline",
-                  "--spin_rounds=1", f"--out={out['sandbox']}"],
-      "model": [sys.executable, "-m", "experiments.bench_model", "--layers=1", "--hidden=32",
-                "--heads=4", "--kv_heads=2", "--vocab=128", "--seq=16", "--batch=2",
-                "--repeats=1", f"--out={out['model']}"],
-      "rollout": [sys.executable, "-m", "experiments.bench_rollout", "--preset=tiny", "--batch=2",
-                  "--prompt_len=8", "--new_tokens=4", "--repeats=1", "--trajectories=4",
-                  "--slots=4", "--max_len=256", "--max_turns=2", "--max_response_tokens=64",
+      "sandbox": [sys.executable, "-m", "experiments.benchmarks.bench_sandbox", "--quick",
+                  "--nobaseline", "--spin_rounds=1", f"--out={out['sandbox']}"],
+      "model": [sys.executable, "-m", "experiments.benchmarks.bench_model", "--layers=1",
+                "--hidden=32", "--heads=4", "--kv_heads=2", "--vocab=128", "--seq=16",
+                "--batch=2", "--repeats=1", f"--out={out['model']}"],
+      "rollout": [sys.executable, "-m", "experiments.benchmarks.bench_rollout", "--preset=tiny",
+                  "--batch=2", "--prompt_len=8", "--new_tokens=4", "--repeats=1",
+                  "--trajectories=4", "--slots=4", "--max_len=256", "--max_turns=2", "--max_response_tokens=64",
                   "--calls_per_traj=1", "--think_tokens=4", "--sandbox_children=2",
                   # One decode step a call and one request a prefill, each shape compiled
                   # when first met: 19 shapes compiled up front took ~19 s of the test
@@ -210,4 +210,5 @@ def test_03_perf_from_the_benchmarks_json(tmp_path):
   # A missing file names the command that makes it, and the rest still runs.
   text = _text(_run("03_sandbox_and_engine_perf", tmp_path, sandbox_json=out["sandbox"],
                     model_json=str(tmp_path / "none.json"), rollout_json=out["rollout"]))
-  assert "none.json: not there; make it with" in text and "python -m experiments.bench_model" in text
+  assert "none.json: not there; make it with" in text
+  assert "python -m experiments.benchmarks.bench_model" in text

@@ -1,4 +1,4 @@
-"""experiments/roofline.py: the model-FLOP count that benchmarks and gpu_smoke divide
+"""experiments/common/roofline.py: the model-FLOP count that benchmarks and gpu_smoke divide
 by, checked against XLA's own count where XLA's is exact (one layer: no loop body
 counted once), and the scan undercount that makes XLA's count unusable otherwise."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import roofline
+from experiments.common import roofline
 from rstar_jax.model import qwen3
 from rstar_jax.model.config import Qwen3Config
 

@@ -1,8 +1,9 @@
-"""Synchronous vs bounded-staleness asynchronous rollouts: steps a second on a short toy RL
+r"""Synchronous vs bounded-staleness asynchronous rollouts: steps a second on a short toy RL
 stage, and the schedule's estimate at the 14B timing shape.
 
-  python -m experiments.async_throughput --steps 6 --staleness 0,1,2 --out /tmp/async_throughput.json
-  python -m experiments.async_throughput --engines process,servers --servers 2 --steps 12
+  python -m experiments.benchmarks.async_throughput --steps 6 --staleness 0,1,2 \
+      --out /tmp/async_throughput.json
+  python -m experiments.benchmarks.async_throughput --engines process,servers --servers 2 --steps 12
 
 Measured: the smoke toy config (random-init tiny model, in-process JaxEngine or, with
 `--engines servers`, --servers rollout server processes of ours serving its export with the
@@ -28,7 +29,7 @@ import time
 
 from absl import app, flags
 
-from experiments import results_json
+from experiments.common import results_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 6, "RL steps per setting", lower_bound=1)
@@ -46,7 +47,8 @@ ROLLOUT_S, UPDATE_S, SYNC_S = 850.0, 370.0, 130.0
 
 
 def host_info() -> dict:
-  from experiments import results_json, roofline
+  from experiments.common import results_json
+  from experiments.common import roofline
   return {"cpu_model": results_json.cpu_model(), "cpus": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg()),
           "matmul_peak_gflops": roofline.matmul_peak_gflops(),
           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -1,4 +1,4 @@
-r"""python -m experiments.bench_cluster --out /tmp/bench_cluster.json
+r"""python -m experiments.benchmarks.bench_cluster --out /tmp/bench_cluster.json
 
 Scale-out costs on one machine (multi-process JAX, Ray fleets), three parts in one run:
   1. the sharded GRPO step (experiments/gpu_smoke.py) as 2 processes x 4 CPU devices
@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags
 
-from experiments import results_json
+from experiments.common import results_json
 from sandbox.launcher import free_port
 
 flags.DEFINE_integer("repeats", 3, "interleaved repeats of each measurement", lower_bound=1)
@@ -34,7 +34,7 @@ flags.DEFINE_integer("calls", 256, "tool calls per throughput measurement")
 flags.DEFINE_bool("step_only", False, "part 1 only (e.g. with a larger --smoke_args model)")
 flags.DEFINE_string("out", "/tmp/bench_cluster.json", "JSON output")
 FLAGS = flags.FLAGS
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYMPY = "from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))"
 
 

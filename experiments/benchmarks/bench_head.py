@@ -1,7 +1,7 @@
 r"""The output head and the RL loss, forward + backward, with `StepConfig.fused_head_loss`
 off and on, side by side in one run.
 
-  python -m experiments.bench_head [--hidden=1024] [--vocab=151936] [--tokens=2048] \
+  python -m experiments.benchmarks.bench_head [--hidden=1024] [--vocab=151936] [--tokens=2048] \
       [--chunk=512] [--dtype=float32] [--repeats=3] \
       [--json=experiments/results/head/<date>_cpu.json]
 
@@ -16,7 +16,7 @@ Qwen3's vocabulary at a hidden size where the head dominates (Qwen3-14B's head i
 
 Both programs are compiled first, then run alternately, `--repeats` times each (the
 median is reported), next to the machine's fp32 1024^3 matmul rate measured in the same
-run (experiments/roofline.py) and the load average before and after. The figures are
+run (experiments/common/roofline.py) and the load average before and after. The figures are
 written as JSON with the date, commit and CPU model. `measure(...)` returns them without
 printing, and importing this module defines no flags (another script can call it, e.g. on
 an accelerator at Qwen3-14B's H=5120 in bfloat16).
@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import results_json, roofline
+from experiments.common import results_json
+from experiments.common import roofline
 from rstar_jax.model import fused_head, qwen3
 from rstar_jax.rl import losses
 

@@ -1,6 +1,6 @@
 r"""What the KL term to a reference policy costs: memory and step time, side by side.
 
-  python -m experiments.bench_kl [--variant=smoke] [--json=/tmp/bench_kl.json]
+  python -m experiments.benchmarks.bench_kl [--variant=smoke] [--json=/tmp/bench_kl.json]
 
 The RL update of the toy recipe's model (experiments/configs/toy.py; `--variant=smoke`
 for the smoke model) on a batch shaped like a toy RL step (rl.fixed_rows rows of
@@ -14,7 +14,7 @@ reference adds one copy of the parameters (no gradient, no optimizer state: a th
 the fp32 train state with Adam); its log-prob program is forward-only, with less temp
 memory than the train step, so the process peak grows by the reference copy alone.
 Step time: medians of `--repeats` alternating runs, next to the machine's dense-matmul
-rate measured in the same run (experiments/roofline.py).
+rate measured in the same run (experiments/common/roofline.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import results_json, roofline
+from experiments.common import results_json
+from experiments.common import roofline
 from experiments.configs import toy
 from rstar_jax import optim
 from rstar_jax.recipe import stages

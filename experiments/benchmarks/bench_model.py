@@ -1,4 +1,4 @@
-r"""python -m experiments.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
+r"""python -m experiments.benchmarks.bench_model --layers=4 --hidden=256 --seq=256 --batch=8
 
 Forward+backward tokens/s: our jitted Qwen3 versus transformers/torch, same CPU.
 A larger size: `--layers 8 --hidden 1024 --seq 1024 --batch 2
@@ -26,8 +26,8 @@ import time
 from absl import app
 from absl import flags
 
-from experiments import results_json
-from experiments import roofline
+from experiments.common import results_json
+from experiments.common import roofline
 
 flags.DEFINE_integer("layers", 4, "decoder layers")
 flags.DEFINE_integer("hidden", 256, "hidden size")

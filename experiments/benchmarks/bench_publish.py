@@ -1,4 +1,4 @@
-r"""python -m experiments.bench_publish [--layers 8 --hidden 1024 --repeats 3]
+r"""python -m experiments.benchmarks.bench_publish [--layers 8 --hidden 1024 --repeats 3]
 
 GB/s of the weight sync's export (`DiskWeightSync.publish`: bfloat16 HF safetensors into
 a new version directory, renamed into place) from 1 and from 2 real JAX processes on
@@ -36,9 +36,10 @@ import time
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
-from experiments import results_json  # noqa: E402
+from experiments.common import results_json  # noqa: E402
 
 flags.DEFINE_integer("layers", 8, "decoder layers")
 flags.DEFINE_integer("hidden", 1024, "hidden size")
@@ -137,10 +138,10 @@ def _job(processes: int, mode: str, root: str) -> dict:
   args = [f"{k}={getattr(FLAGS, k[2:])}" for k in keep]
   port = free_port()
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "experiments.bench_publish", *args, f"--dir={root}",
+      [sys.executable, "-m", "experiments.benchmarks.bench_publish", *args, f"--dir={root}",
        f"--worker_processes={processes}", f"--worker_id={i}", f"--worker_port={port}",
        f"--worker_mode={mode}", f"--worker_result={result}"],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env)
+      cwd=REPO, env=env)
       for i in range(processes)]
   codes = [p.wait() for p in procs]
   if any(codes):
@@ -224,7 +225,7 @@ def main(_):
                                                     "heads", "kv_heads", "vocab")},
             "rows": rows}
   out = FLAGS.out or os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), "results", "publish",
+      REPO, "experiments", "results", "publish",
       f"{stamp['date'][:10]}_{stamp['commit']}.json")
   results_json.write(out, result)
   if not FLAGS.dir:

@@ -1,6 +1,6 @@
 r"""Rollout throughput: JaxEngine versus transformers `generate()`, and agent rollouts.
 
-  python -m experiments.bench_rollout
+  python -m experiments.benchmarks.bench_rollout
 
 (a) Generated tokens/s at batch 64 of the same random Qwen3 (the `small` preset by
     default: 4 layers, hidden 256): our JaxEngine (continuous batching, requests
@@ -51,9 +51,9 @@ import time
 from absl import app
 from absl import flags
 
-from experiments import results_json
-from experiments import roofline
-from experiments.scripted_rollouts import TimedTools, ToolCallingEngine, TurnBatches
+from experiments.common import results_json
+from experiments.common import roofline
+from experiments.common.scripted_rollouts import TimedTools, ToolCallingEngine, TurnBatches
 
 flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.config.PRESETS)")
 flags.DEFINE_integer("vocab", 0, "(a) vocabulary size; 0 = the preset's")
@@ -316,7 +316,7 @@ def bench_generate():
 
 
 # --- (b) multi-turn rollouts with the sandbox ------------------------------------------------
-# (ToolCallingEngine, TurnBatches, TimedTools: experiments/scripted_rollouts.py)
+# (ToolCallingEngine, TurnBatches, TimedTools: experiments/common/scripted_rollouts.py)
 
 
 def bench_agent():

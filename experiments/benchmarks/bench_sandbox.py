@@ -1,7 +1,7 @@
 r"""Benchmark: fresh `python3 -c` per call (the release's design) vs the sandbox service.
 
-  python experiments/bench_sandbox.py            # full run, a few minutes on 2 cores
-  python experiments/bench_sandbox.py --quick    # fewer calls, for a smoke check
+  python -m experiments.benchmarks.bench_sandbox           # full run, a few minutes on 2 cores
+  python -m experiments.benchmarks.bench_sandbox --quick   # fewer calls, for a smoke check
 
 Prints one table: for `print(1+1)` and a sympy `solve` snippet, at concurrency 1
 and 32, the median and p99 latency seen by the caller and calls/s, for
@@ -32,7 +32,7 @@ import time
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from sandbox.client import SandboxClient  # noqa: E402
 from sandbox.launcher import health, running_server  # noqa: E402

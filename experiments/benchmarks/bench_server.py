@@ -1,4 +1,4 @@
-r"""python -m experiments.bench_server --out /tmp/bench_server.json
+r"""python -m experiments.benchmarks.bench_server --out /tmp/bench_server.json
 
 Rollout tokens/s through two rollout-server processes (`python -m
 rstar_jax.rollout.server`, the SGLang API over loopback HTTP) against the same two
@@ -36,7 +36,7 @@ import urllib.request
 from absl import app
 from absl import flags
 
-from experiments import results_json
+from experiments.common import results_json
 
 flags.DEFINE_integer("requests", 64, "(a) requests per run")
 flags.DEFINE_integer("hidden", 128, "(a) hidden size (the toy recipe's model by default)")

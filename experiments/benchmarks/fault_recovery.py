@@ -1,4 +1,4 @@
-r"""python -m experiments.fault_recovery --out /tmp/fault_recovery.json
+r"""python -m experiments.benchmarks.fault_recovery --out /tmp/fault_recovery.json
 
 What a fault costs on this machine, and how often the 14B run should checkpoint
 (docs/guides/fault_tolerance.md). Parts, in one run:
@@ -48,7 +48,8 @@ import time
 
 from absl import app, flags
 
-from experiments import results_json, standins
+from experiments.common import results_json
+from experiments.common import standin_trainers
 
 flags.DEFINE_integer("repeats", 3, "kills per server kind and of the stand-in trainer; "
                      "runs per checkpoint cadence", lower_bound=1)
@@ -64,13 +65,13 @@ flags.DEFINE_float("step_s", 1190.0, "14B estimate: one RL step (510 steps in a 
 flags.DEFINE_integer("config_every", 10, "14B estimate: the config's rl.checkpoint_every")
 flags.DEFINE_string("out", "/tmp/fault_recovery.json", "JSON output")
 FLAGS = flags.FLAGS
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = "experiments/configs/toy.py:smoke"
 GB = 1e9
 
 
 def _machine() -> dict:
-  from experiments import results_json
+  from experiments.common import results_json
   cpu = results_json.cpu_model()
   commit = results_json.commit()
   dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
@@ -113,7 +114,7 @@ def part_servers(root: str, repeats: int) -> dict:
   import ray
   from rstar_jax.recipe import cluster
   from rstar_jax.model import config as model_config, hf_io, qwen3
-  # A random tiny checkpoint (as experiments/bench_cluster.py's; that module's flags
+  # A random tiny checkpoint (as experiments/benchmarks/bench_cluster.py's; that module's flags
   # cannot be imported beside these).
   hf = os.path.join(root, "tiny_hf")
   hf_io.save_hf(qwen3.create_model(model_config.get_preset(
@@ -279,7 +280,7 @@ def _node_run(tmp: str, queue, live: bool) -> None:
   import ray
   from rstar_jax.recipe import cluster
   with open(os.path.join(tmp, "fault_bench_urls.py"), "w") as f:
-    f.write(standins.URL_TRAINER)
+    f.write(standin_trainers.URL_TRAINER)
   work = os.path.join(tmp, "work")
   os.makedirs(work)
   temp = tempfile.mkdtemp(prefix="r", dir="/tmp")    # short: Ray's socket paths
@@ -455,7 +456,7 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--parts: unknown {sorted(unknown)}")
   result = {"benchmark": "fault_recovery", "machine": _machine(), "repeats": FLAGS.repeats,
-            "command": " ".join(["python -m experiments.fault_recovery", *sys.argv[1:]])}
+            "command": " ".join(["python -m experiments.benchmarks.fault_recovery", *sys.argv[1:]])}
   print(f"{result['machine']['date']}, commit {result['machine']['commit']}, "
         f"{result['machine']['cpu']}, {result['machine']['cores']} cores\nbefore: "
         f"{result['machine']['uptime']}")

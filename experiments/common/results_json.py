@@ -6,6 +6,8 @@ import os
 import platform
 import subprocess
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def write(path: str, result: dict) -> None:
   """Writes `result` to `path` (no-op for an empty path) and says where."""
@@ -32,8 +34,7 @@ def commit() -> str:
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=True,   # the repository's, from any directory
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-                          ).stdout.strip()
+                          cwd=_REPO).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 

@@ -5,7 +5,7 @@ A figure is only meaningful next to what the machine can do: `fraction = achieve
 peak`, with the peak measured here and now (machines of one kind differ by 1.5x and
 more, and load changes them) rather than taken from a data sheet.
 
-  python -m experiments.roofline      # the fp32 1024^3 matmul peak, 5 rounds, and the load
+  python -m experiments.common.roofline      # the fp32 1024^3 matmul peak, 5 rounds, and the load
 
 (the "measured matmul peak" that docs/results.md names beside each machine).
 """
@@ -153,7 +153,7 @@ def mfu_both(cfg, batch: int, seq: int, seconds: float, peak_gflops: float) -> d
 
 def main(rounds: int = 5) -> None:
   import os
-  from experiments import results_json
+  from experiments.common import results_json
   cpu = results_json.cpu_model()
   load = os.getloadavg()[0]
   peaks = [matmul_peak_gflops() for _ in range(rounds)]

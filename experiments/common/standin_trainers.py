@@ -1,6 +1,6 @@
-"""Stand-in trainer programs for the fault benchmark (`fault_recovery.py`) and the
-cluster tests (`tests/test_cluster.py`): what a trainer does with the fleet, without JAX,
-so that a fault's recovery is timed and checked apart from a real trainer's start-up.
+"""Stand-in trainer programs for the fault benchmark (`experiments/benchmarks/fault_recovery.py`)
+and the cluster tests (`tests/test_cluster.py`): what a trainer does with the fleet, without
+JAX, so that a fault's recovery is timed and checked apart from a real trainer's start-up.
 """
 
 # A trainer process that runs a tool call every 0.05 s through the real tools client

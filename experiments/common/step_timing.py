@@ -102,7 +102,7 @@ def time_train_step(cfg, mesh, *, batch: dict[str, np.ndarray], steps: int,
   """
   import jax
 
-  from experiments import roofline
+  from experiments.common import roofline
   from rstar_jax import distributed, optim, sharding
   from rstar_jax.model import qwen3
   from rstar_jax.rl import losses, train_step as ts

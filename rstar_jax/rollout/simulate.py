@@ -7,8 +7,9 @@ every admitted request one token per decode step, and a step takes
 turns (tokens to generate) separated by tool calls of given latency; each turn is a
 new request, dispatched by the policy at the moment it is issued.
 
-Used to compare policies' makespan (tests, experiments/bench_scheduler.py) where a
-real cluster is not at hand.
+Used to compare policies' makespan (tests/rollout/test_scheduler.py) and to spread the
+14B estimate's rollouts (experiments/benchmarks/async_throughput.py) where a real cluster
+is not at hand.
 """
 from __future__ import annotations
 
