@@ -306,7 +306,7 @@ def parse_lever(text: str) -> tuple[str, str, Any]:
   """`step.<field>=<value>` or `model.<field>=<value>` -> (where, field, value), the value
   read as a bool, int, float or string; a field the config does not have is refused."""
   import dataclasses as dc
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
   from rstar_jax.train import step as core
   where, _, rest = text.partition(".")
   field, eq, raw = rest.partition("=")
@@ -386,7 +386,7 @@ def slice_config(**overrides):
   """The model the sections run: Qwen3-14B's per-layer shapes with --layers layers, as
   the 14B recipe config runs it (fp32 master weights, bf16 compute, full remat,
   chunked attention); the `tiny` preset with --tiny."""
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
   base = dict(param_dtype="float32", dtype="bfloat16", remat_policy="full",
               attention_impl="chunked", attention_chunk=1024)
   if FLAGS.tiny:
@@ -989,12 +989,12 @@ def section_rollouts(ctx: dict[str, Any]) -> dict[str, Any]:
 
   from experiments.common.scripted_rollouts import TimedTools, ToolCallingEngine
   from rstar_jax.data import toy_task
-  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.model import model_config, qwen3
   from rstar_jax.rollout import chat
   from rstar_jax.rollout.agent_loop import AgentConfig, run_many
   from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
   from rstar_jax.rollout.scheduler import EnginePool
-  from rstar_jax.rollout.tools import SandboxTools
+  from rstar_jax.rollout.sandbox_client import SandboxTools
   from sandbox.launcher import running_server
 
   sz = sizes()

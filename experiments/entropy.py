@@ -50,7 +50,7 @@ def main(argv):
   if _BATCH.value < 1 or _CHUNK.value < 1 or _LIMIT.value < 0 or _TEMPERATURE.value <= 0:
     sys.exit(f"--batch_size and --chunk must be >= 1, --limit >= 0 and --temperature > 0 (got "
              f"{_BATCH.value}, {_CHUNK.value}, {_LIMIT.value}, {_TEMPERATURE.value})")
-  from rstar_jax.model.config import DTYPES
+  from rstar_jax.model.model_config import DTYPES
   if _DTYPE.value not in DTYPES:
     sys.exit(f"--dtype={_DTYPE.value!r}: choose from {list(DTYPES)}")
   if _OUT.value:   # found out now, not after the scoring

@@ -51,7 +51,7 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   from rstar_jax.eval import benchmarks, suite
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import backends, chat
-  from rstar_jax.rollout import tools as tools_lib
+  from rstar_jax.rollout import sandbox_client as tools_lib
 
   cfg = stages.build_config(config)
   if not benchmark_spec:
@@ -110,7 +110,7 @@ def main(argv):
   del argv
   from rstar_jax.train import interrupt
   # The recipe's mechanism, for every evaluation run here: SIGINT / SIGTERM / SIGUSR2 stop
-  # a journaled collection at its next finished trajectory (rl.rollouts.collect raises
+  # a journaled collection at its next finished trajectory (rl.rollout_collector.collect raises
   # interrupt.Interrupted; config_utils.run ends with one line and exit 128 + signal).
   with interrupt.StopRequests():
     _main()

@@ -25,7 +25,7 @@ from experiments.common import results_json
 from experiments.common import roofline
 from experiments.common import step_timing
 
-flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.config.PRESETS)")
+flags.DEFINE_string("preset", "qwen3-0.6b", "model preset (rstar_jax.model.model_config.PRESETS)")
 flags.DEFINE_integer("batch", 8, "trajectories per step")
 flags.DEFINE_integer("seq", 1024, "tokens per trajectory (prompt + response)")
 flags.DEFINE_integer("steps", 5, "timed steps (after one compile step)", lower_bound=1)
@@ -67,7 +67,7 @@ def main(argv):
   import jax
 
   from rstar_jax import sharding
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
   from rstar_jax.train import step as core
 
   devices = jax.devices()

@@ -24,7 +24,7 @@ scheduler runs every 2 s and a requeued job may start again after cred_expire (1
             resume); --interrupt=kill SIGKILLs a trainer task mid-stage (requeue after the
             script's back-off, resume).
   python    (internal) the batch script's $PYTHON: `-m sglang.launch_server ...` runs our
-            SGLang-API server (rstar_jax.rollout.server) with the flags translated, and
+            SGLang-API server (rstar_jax.rollout.api_server) with the flags translated, and
             `--host 0.0.0.0` becomes the node's loopback address; anything else runs as is.
 
   python -m experiments.local_slurm rehearse --dir /tmp/rstar_slurm   # after `up`
@@ -273,7 +273,7 @@ def translate(argv: list[str], node_address: str, compile_cache: str,
       args[i + 1] = node_address
   if args[:2] != ["-m", "sglang.launch_server"]:
     return args
-  out = ["-m", "rstar_jax.rollout.server", "--num_slots", str(num_slots),
+  out = ["-m", "rstar_jax.rollout.api_server", "--num_slots", str(num_slots),
          "--min_prefill_bucket", "16", "--compile_cache", compile_cache]
   rest = args[2:]
   i = 0
@@ -291,7 +291,7 @@ def translate(argv: list[str], node_address: str, compile_cache: str,
       i += 1
     else:
       raise SystemExit(f"local_slurm python: SGLang flag {a!r} has no counterpart in "
-                       "rstar_jax.rollout.server")
+                       "rstar_jax.rollout.api_server")
   return out
 
 
@@ -301,7 +301,7 @@ def python_main(argv: list[str]) -> None:
   cache = os.environ.get("REHEARSAL_COMPILE_CACHE", os.path.join(REPO, ".compile_cache"))
   args = translate(argv, address, cache, int(os.environ.get("REHEARSAL_NUM_SLOTS", "16")))
   env_ = dict(os.environ)
-  if args[:2] == ["-m", "rstar_jax.rollout.server"]:
+  if args[:2] == ["-m", "rstar_jax.rollout.api_server"]:
     # One CPU device per server, as one GPU per SGLang server.
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    env_.get("XLA_FLAGS", "")).strip()

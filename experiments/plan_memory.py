@@ -71,7 +71,7 @@ from ml_collections import config_flags
 
 from rstar_jax import config_utils
 from rstar_jax import optim
-from rstar_jax.model import config as model_config
+from rstar_jax.model import model_config
 from rstar_jax.model import qwen3
 from rstar_jax.recipe.layout import ACCELERATORS  # HBM per device, GB
 from rstar_jax import sharding
@@ -94,7 +94,7 @@ class PlanCase:
   """One train-step configuration to compile.
 
   Attributes:
-    preset: model preset name (`rstar_jax.model.config.PRESETS`).
+    preset: model preset name (`rstar_jax.model.model_config.PRESETS`).
     mesh: sizes of the (data, fsdp, tensor) mesh axes; absent axes are 1.
     seq_len: tokens per sequence, prompt + response (the padded T of the batch).
     micro_batch: sequences per micro-batch per batch shard. The batch is sharded over

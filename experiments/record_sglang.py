@@ -2,7 +2,7 @@ r"""python -m experiments.record_sglang --url http://127.0.0.1:30000 --out /tmp/
 
 Records real request/response pairs of an SGLang server (run it on the GPU host next to
 a server launched as docs/guides/rollout_servers_and_sglang.md says), through our own client
-(`rstar_jax.rollout.sglang_engine`), one JSON line per HTTP exchange:
+(`rstar_jax.rollout.sglang.engine`), one JSON line per HTTP exchange:
 {"route", "request", "status", "reply"}. Commit the file under
 tests/rollout/recordings/ and `tests/rollout/test_sglang_recordings.py` replays it on
 every CI run: each request body and reply is checked against SGLang 0.5.23's own API
@@ -13,7 +13,7 @@ a seed, greedy, stop ids, top-k, a one-token budget), an abort of a running requ
 pause -> continue, /flush_cache and, with --model_path (the directory the server
 serves, or another checkpoint of the same architecture), /update_weights_from_disk with
 a weight version. Token ids are taken below the server's vocabulary size.
-Works against our own server too (`python -m rstar_jax.rollout.server`), which is how
+Works against our own server too (`python -m rstar_jax.rollout.api_server`), which is how
 the test checks this script.
 """
 import asyncio
@@ -37,10 +37,7 @@ def main(argv):
     sys.exit(f"unexpected arguments {argv[1:]}")
   if not _URL.value or not _OUT.value:
     sys.exit("--url and --out are required\nusage: " + __doc__.strip().splitlines()[0])
-  from rstar_jax.rollout import sglang_admin
-  from rstar_jax.rollout import sglang_engine as se
-  from rstar_jax.rollout import sglang_transport as transport
-  from rstar_jax.rollout import sglang_wire as wire
+  from rstar_jax.rollout.sglang import engine as se, transport, wire
   from rstar_jax.rollout.engine import GenerationRequest
 
   exchanges = []
@@ -90,7 +87,7 @@ def main(argv):
     abort_outcome = asyncio.run(abort_one())
     eng.flush_cache()
     if _MODEL_PATH.value:
-      sglang_admin.update_weights_from_disk([eng], os.path.abspath(_MODEL_PATH.value), _VERSION.value)
+      se.update_weights_from_disk([eng], os.path.abspath(_MODEL_PATH.value), _VERSION.value)
   finally:
     eng.stop()
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

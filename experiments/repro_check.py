@@ -260,7 +260,7 @@ def engine_table() -> dict:
   import numpy as np
 
   from rstar_jax.model import qwen3
-  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.model.model_config import Qwen3Config
   from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 
   # experiments/configs/toy.py's model (vocab: its toy tokenizer's size), random weights.

@@ -43,7 +43,7 @@ def main(argv):
   import numpy as np
   from flax import nnx
   from rstar_jax.recipe import stages
-  from rstar_jax.data import toy_task
+  from rstar_jax.data import data_config, toy_task
 
   import dataclasses
   config = stages.build_config(_CONFIG.value)
@@ -54,8 +54,8 @@ def main(argv):
     ctx = stages.build_context(config, tools=None)
     model = stages.initial_model(config, ctx.tokenizer, ctx.mesh, ctx.rules)
     trainer = stages.sft_trainer_for(ctx, model, os.path.join(tmp, "sft"))
-    problems = stages.sources.toy_problems_for(config.data, _PROBE.value,
-                                               seed=config.seed + 30_000)
+    problems = data_config.toy_problems_for(config.data, _PROBE.value,
+                                            seed=config.seed + 30_000)
     arr, mask, in_code = toy_task.copy_probe(ctx.proto, problems, seed=config.seed + 30_001)
     kinds = [p.kind for p in problems]
 

@@ -26,7 +26,7 @@ FILES: dict[str, tuple[str, str]] = {
            "the RL trainer (`rl/trainer.py`), one file per stage (stage1..stage3): one JSON object "
            "per step; TensorBoard gets the same scalars under `<workdir>/<stage>/tb/rl`"),
     "eval": ("<workdir>/eval_<name>.json",
-             "the evaluation (`eval/metrics.py`, `EvalReport`): one JSON report per evaluation "
+             "the evaluation (`eval/pass_at_k.py`, `EvalReport`): one JSON report per evaluation "
              "(`eval_after_sft.json`, `eval_final.json`; `experiments/evaluate.py` writes "
              "`eval_hf_dir.json` and, for a benchmark suite, `suite/<benchmark>.json`)"),
 }
@@ -39,7 +39,7 @@ RUNS: dict[str, str] = {
     "async": "tests/rl/test_async_rollouts.py: an RL stage under max_staleness 1",
     "decoupled": "tests/rl/test_async_rollouts.py: the same under the decoupled objective",
     "weight_sync": "tests/test_reference_pages.py: a weight sync through disk",
-    "stats": ("tests/test_reference_pages.py: the step statistics (`rl/rollouts.py`, "
+    "stats": ("tests/test_reference_pages.py: the step statistics (`rl/rollout_collector.py`, "
               "`rl/roc.py`) of trajectories with tool calls, errors and correct answers"),
     "report": "tests/test_reference_pages.py: an evaluation report over two benchmarks",
 }
@@ -101,7 +101,8 @@ class Metric:
 # never 0 (rollout/stats.py): these entries say so.
 _MISSING = "left out when there is nothing to count"
 
-# The rollout statistics of a step (`rl/rollouts.metrics`): (name, unit, meaning, when, run).
+# The rollout statistics of a step (`rl/rollout_collector.metrics`): (name, unit, meaning, when,
+# run).
 _ROLLOUT = (
     ("reward_mean", "fraction", "mean outcome reward; rewards are 0/1, so the share answered "
      "correctly", "", "recipe"),

@@ -42,7 +42,7 @@ def main():
   from flax import nnx
 
   from rstar_jax import checkpoint, optim, sharding
-  from rstar_jax.model import config as model_config, hf_io, qwen3
+  from rstar_jax.model import model_config, hf_io, qwen3
   from rstar_jax.rl import batching, losses, train_step as ts
 
   assert jax.device_count() == 8, jax.devices()

@@ -127,7 +127,7 @@ def main():
   hf_io.save_hf(model, os.path.join(a.out, "hf_serial"), dtype="float32")
   engines = []
   if a.server and distributed.is_main():
-    from rstar_jax.rollout import sglang_engine
+    from rstar_jax.rollout.sglang import engine as sglang_engine
     _wait_healthy(a.server)
     engines = sglang_engine.connect([a.server])
   sync = weight_sync.DiskWeightSync(weight_sync.WeightSyncConfig(dtype="bfloat16"), model,

@@ -38,7 +38,7 @@ weight syncs, the same 2-process mesh. What may differ, and why:
   `sync/s_per_gb`;
 * `sync/servers`, the number of rollout servers a step's weight sync reached: a server
   still restarting at that moment is skipped and catches up before it rejoins
-  (`sglang_admin.update_weights_from_disk`), so it can be 1 instead of 2 in a row at
+  (`sglang.engine.update_weights_from_disk`), so it can be 1 instead of 2 in a row at
   or after the rollout kill. It describes the fleet, not the training: the rollouts a
   late server serves carry the version it caught up to, and a step refuses others.
 

@@ -30,7 +30,7 @@ def test_server_commands():
                     *(["--allow-weak-isolation"] if "--allow-weak-isolation" in sb else []),
                     "--max-children", "64"]
   ours = cluster.server_command("rollout", cfg, "10.0.0.1", 30000)
-  assert ours[1:5] == ["-m", "rstar_jax.rollout.server", "--hf_dir", "/ckpt"]
+  assert ours[1:5] == ["-m", "rstar_jax.rollout.api_server", "--hf_dir", "/ckpt"]
   assert ours[-2:] == ["--num_slots", "8"]
   sg = cluster.server_command("rollout", cluster.ClusterConfig(
       rollout_backend="sglang", rollout_hf_dir="/ckpt"), "h", 30001)

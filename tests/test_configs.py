@@ -214,15 +214,15 @@ def test_mesh_that_does_not_fit_the_devices_is_rejected():
 
 
 def test_toy_levels_and_kinds_select_the_problems():
-  from rstar_jax.data import sources
-  cfg = sources.DataConfig(kind="toy", toy=sources.ToyDataConfig(
+  from rstar_jax.data import data_config
+  cfg = data_config.DataConfig(kind="toy", toy=data_config.ToyDataConfig(
       levels=(1,), kinds=("product", "modpow"), train_problems=40, eval_problems=8))
-  train, evals = sources.load_problems(cfg, seed=0)
+  train, evals = data_config.load_problems(cfg, seed=0)
   assert len(train) == 40 and len(evals) == 8
   assert {p.meta["kind"] for p in train} == {"product", "modpow"}
   assert {p.meta["level"] for p in train + evals} == {1}
   with pytest.raises(ValueError, match=r"kinds: unknown \['cube'\]"):
-    sources.ToyDataConfig(kinds=("product", "cube"))
+    data_config.ToyDataConfig(kinds=("product", "cube"))
 
 
 def test_chat_protocol_is_an_explicit_section():

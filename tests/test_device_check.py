@@ -281,7 +281,7 @@ def test_plain_thinking_leaves_no_protocol_tag():
 
 
 def test_bf16_check_fails_when_bf16_did_not_run():
-  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.model import model_config, qwen3
   tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 16)))
   logits = {}
   for dtype in ("float32", "bfloat16"):
@@ -304,7 +304,7 @@ def test_hf_check_fails_on_a_corrupted_export(tmp_path):
   Qwen3 normalises q per head) fails the check."""
   from safetensors.numpy import load_file, save_file
 
-  from rstar_jax.model import config as model_config, hf_io, qwen3
+  from rstar_jax.model import model_config, hf_io, qwen3
   cfg = model_config.get_preset("tiny", param_dtype="float32", dtype="float32")
   model = qwen3.create_model(cfg, seed=0)
   out = str(tmp_path / "export")
@@ -363,7 +363,7 @@ def test_the_committed_h100_run_judged_by_the_checks():
 def test_segment_check_fails_when_packed_sequences_see_each_other():
   """Three sequences packed into one row against each alone: equal hidden states on this
   CPU; the same row as one segment (planted: the sequences attend across) fails."""
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
   cfg = model_config.get_preset("tiny", param_dtype="float32", dtype="bfloat16",
                                 attention_impl="chunked", attention_chunk=16,
                                 remat_policy="none")

@@ -15,7 +15,7 @@ def _reference_first_loss():
   """The clip-higher token-mean loss of the tiny model's first step, from full logits
   in float64 (numpy), with the report's defaults eps_low 0.2, eps_high 0.28."""
   from experiments.common import step_timing
-  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.model import model_config, qwen3
   cfg = model_config.get_preset("tiny", hidden_size=64, intermediate_size=128, head_dim=16,
                                 num_hidden_layers=2, vocab_size=512)
   batch = step_timing.random_batch(cfg.vocab_size, 4, 64, row_multiple=4, length_multiple=8)

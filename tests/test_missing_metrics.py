@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from rstar_jax import metrics as metrics_lib
+from rstar_jax import metrics_writer as metrics_lib
 from rstar_jax import jsonl
 from rstar_jax.analysis import progress
-from rstar_jax.eval import metrics as eval_metrics
-from rstar_jax.rl import roc, rollouts
+from rstar_jax.eval import pass_at_k as eval_metrics
+from rstar_jax.rl import roc, rollout_collector
 from rstar_jax.rl.roc import DownsampleConfig, RolloutStats
 from rstar_jax.rollout import agent_loop, stats
 
@@ -28,18 +28,18 @@ def _traj(reward, calls, errors, tokens=5):
 def test_rollout_metrics_leave_out_a_rate_over_nothing():
   # No correct trajectory: the error rate inside correct ones has no call to count.
   wrong = [_traj(0.0, 2, 1), _traj(0.0, 1, 1)]
-  m = rollouts.metrics(wrong)
+  m = rollout_collector.metrics(wrong)
   assert "rollout/tool_error_rate_correct" not in m
   assert m["rollout/tool_error_rate"] == pytest.approx(2 / 3)
   assert m["rollout/reward_mean"] == 0.0   # a mean over 2 trajectories: a real 0
   # Correct trajectories without a tool call: still nothing to count.
-  m = rollouts.metrics([_traj(1.0, 0, 0), _traj(0.0, 1, 0)])
+  m = rollout_collector.metrics([_traj(1.0, 0, 0), _traj(0.0, 1, 0)])
   assert "rollout/tool_error_rate_correct" not in m and m["rollout/tool_error_rate"] == 0.0
   # One that called the tool cleanly: a real 0.
-  m = rollouts.metrics([_traj(1.0, 3, 0), _traj(0.0, 1, 1)])
+  m = rollout_collector.metrics([_traj(1.0, 3, 0), _traj(0.0, 1, 1)])
   assert m["rollout/tool_error_rate_correct"] == 0.0
   # No trajectory at all (every group dropped): no mean is invented.
-  assert rollouts.metrics([], prefix="kept/") == {}
+  assert rollout_collector.metrics([], prefix="kept/") == {}
   assert stats.tool_stats([]) == {"tool_calls_per_traj": None, "tool_error_rate": None,
                                   "tool_error_rate_correct": None, "no_tool_share": None}
 
@@ -76,7 +76,7 @@ def test_jsonl_rows_lack_the_key_and_the_plot_has_a_gap(tmp_path):
   workdir = tmp_path / "stage1"
   writer = metrics_lib.MetricsWriter(str(workdir), "rl", tensorboard=False)
   for i, trajs in enumerate(steps, start=1):
-    writer.write(i, rollouts.metrics(trajs))
+    writer.write(i, rollout_collector.metrics(trajs))
   writer.close()
   rows = jsonl.read_jsonl(os.path.join(workdir, "metrics_rl.jsonl"))
   key = "rollout/tool_error_rate_correct"

@@ -15,7 +15,7 @@ from experiments import preflight as pf
 from rstar_jax.recipe import layout as layout_lib
 from rstar_jax.recipe import preflight_checks as checks
 from rstar_jax import config_utils
-from rstar_jax.model import config as model_config
+from rstar_jax.model import model_config
 from rstar_jax.rollout import backends
 from rstar_jax.rollout.jax_engine import EngineConfig
 

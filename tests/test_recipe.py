@@ -317,7 +317,7 @@ def _synced_steps(d):
 
 
 def test_rl_stage_on_two_rollout_servers_matches_in_process(recipe_dir, straight_rl, tmp_path):
-  """rollout.backend=server: stage 1 generates on two `rstar_jax.rollout.server`
+  """rollout.backend=server: stage 1 generates on two `rstar_jax.rollout.api_server`
   processes, which get the trainer's weights through disk after every update (float32
   checkpoints, so nothing is rounded); the metrics equal the in-process run's."""
   from tests.rollout.conftest import ServerProcess

@@ -20,7 +20,7 @@ import typing
 import numpy as np
 
 from rstar_jax import metric_table
-from rstar_jax.model import config as model_config
+from rstar_jax.model import model_config
 from rstar_jax.recipe import reference
 from rstar_jax.recipe import stages
 from rstar_jax.rl import losses
@@ -206,7 +206,7 @@ def test_a_weight_sync_through_disk_writes_the_sync_entries(tmp_path):
 
 
 def test_the_step_statistics_write_the_stats_entries():
-  from rstar_jax.rl import roc, rollouts
+  from rstar_jax.rl import roc, rollout_collector
 
   def traj(reward, calls, errors):
     return types.SimpleNamespace(reward=reward, num_tool_calls=calls, num_tool_errors=errors,
@@ -216,9 +216,9 @@ def test_the_step_statistics_write_the_stats_entries():
   groups = [[traj(1.0, 2, 1), traj(1.0, 1, 0), traj(0.0, 1, 1), traj(0.0, 0, 0)],
             [traj(1.0, 3, 0), traj(0.0, 2, 2), traj(1.0, 1, 1), traj(0.0, 1, 0)]]
   flat = [t for g in groups for t in g]
-  keys = set(rollouts.metrics(flat))
-  keys |= set(rollouts.metrics(flat[:6], prefix="kept/"))
-  stats = [[rollouts.rollout_stats(t) for t in g] for g in groups]
+  keys = set(rollout_collector.metrics(flat))
+  keys |= set(rollout_collector.metrics(flat[:6], prefix="kept/"))
+  stats = [[rollout_collector.rollout_stats(t) for t in g] for g in groups]
   ds = roc.downsample(stats, roc.DownsampleConfig(group_size=2), np.random.default_rng(0))
   keys |= set(ds.stats)
   assert "rollout/tool_error_rate_correct" in keys and "roc/kept_pos_tool_error_rate" in keys
@@ -226,7 +226,7 @@ def test_the_step_statistics_write_the_stats_entries():
 
 
 def test_a_report_over_two_benchmarks_writes_the_report_entries():
-  from rstar_jax.eval import metrics as eval_metrics
+  from rstar_jax.eval import pass_at_k as eval_metrics
   records = [eval_metrics.SampleRecord(problem_uid=f"p{i}", sample_index=s,
                                        reward=float((i + s) % 2), response_tokens=20,
                                        num_tool_calls=1, num_tool_errors=s % 2, num_turns=2,

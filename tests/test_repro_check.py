@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from rstar_jax.eval.metrics import EvalReport
+from rstar_jax.eval.pass_at_k import EvalReport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

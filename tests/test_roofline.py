@@ -8,7 +8,7 @@ import pytest
 
 from experiments.common import roofline
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 
 
 def _xla_train_flops(cfg, batch, seq):

@@ -25,7 +25,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from sandbox.launcher import free_port
 from tests import procs
 from tests.model import hf_fixtures
@@ -226,8 +226,8 @@ def test_transformers_loads_the_sharded_export_with_the_same_logits(job):
 
 
 def test_the_rollout_server_serves_the_version_two_processes_published(job):
-  from rstar_jax.rollout import sglang_engine as se
-  from rstar_jax.rollout import sglang_transport as transport
+  from rstar_jax.rollout.sglang import engine as se
+  from rstar_jax.rollout.sglang import transport
   from rstar_jax.rollout.engine import GenerationRequest
   from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
   metrics = json.loads((job["out"] / "opened_0.json").read_text())["metrics"]

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 
 CFG = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -88,7 +88,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
   from rstar_jax.rl import async_rollouts as async_lib
   from rstar_jax.rl import trainer as rl_trainer
   from rstar_jax.rollout import backends
-  from rstar_jax.rollout import server as rollout_server
+  from rstar_jax.rollout import api_server as rollout_server
 
   class Tools:
     async def execute(self, calls):

@@ -60,7 +60,7 @@ def _step_ms(processes: int) -> float:
 
 
 def _tiny_checkpoint(root: str) -> str:
-  from rstar_jax.model import config as model_config, hf_io, qwen3
+  from rstar_jax.model import model_config, hf_io, qwen3
   cfg = model_config.get_preset("tiny", hidden_size=64, intermediate_size=128, head_dim=16,
                                 num_hidden_layers=2, vocab_size=512)
   path = os.path.join(root, "tiny_hf")

@@ -57,7 +57,7 @@ def main(_):
   import transformers
 
   from rstar_jax.model import hf_io, qwen3
-  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.model.model_config import Qwen3Config
 
   if FLAGS.threads:
     torch.set_num_threads(FLAGS.threads)

@@ -64,7 +64,7 @@ CHUNK = 64 << 20
 
 
 def _model_cfg():
-  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.model.model_config import Qwen3Config
   return Qwen3Config(vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
                      intermediate_size=FLAGS.intermediate, num_hidden_layers=FLAGS.layers,
                      num_attention_heads=FLAGS.heads, num_key_value_heads=FLAGS.kv_heads,

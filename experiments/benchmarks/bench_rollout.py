@@ -55,7 +55,7 @@ from experiments.common import results_json
 from experiments.common import roofline
 from experiments.common.scripted_rollouts import TimedTools, ToolCallingEngine, TurnBatches
 
-flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.config.PRESETS)")
+flags.DEFINE_string("preset", "small", "model preset (rstar_jax.model.model_config.PRESETS)")
 flags.DEFINE_integer("vocab", 0, "(a) vocabulary size; 0 = the preset's")
 flags.DEFINE_integer("batch", 64, "(a) sequences generated at once")
 flags.DEFINE_integer("prompt_len", 64, "(a) prompt tokens per sequence")
@@ -138,7 +138,7 @@ def bench_generate():
   import torch
   import transformers
 
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
   from rstar_jax.model import hf_io, qwen3
   from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 
@@ -323,12 +323,12 @@ def bench_agent():
   import numpy as np
 
   from rstar_jax.data import toy_task
-  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.model import model_config, qwen3
   from rstar_jax.rollout import chat
   from rstar_jax.rollout.agent_loop import AgentConfig, run_many
   from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
   from rstar_jax.rollout.scheduler import EnginePool
-  from rstar_jax.rollout.tools import SandboxTools
+  from rstar_jax.rollout.sandbox_client import SandboxTools
   from sandbox.launcher import running_server
 
   tok = toy_task.train_toy_tokenizer(1024)
@@ -493,7 +493,7 @@ def bench_invariant():
   import numpy as np
 
   from rstar_jax.model import qwen3
-  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.model.model_config import Qwen3Config
   from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 
   # experiments/configs/toy.py's model and engine (vocab: its toy tokenizer's size).

@@ -1,7 +1,7 @@
 r"""python -m experiments.benchmarks.bench_server --out /tmp/bench_server.json
 
 Rollout tokens/s through two rollout-server processes (`python -m
-rstar_jax.rollout.server`, the SGLang API over loopback HTTP) against the same two
+rstar_jax.rollout.api_server`, the SGLang API over loopback HTTP) against the same two
 JaxEngines in this process, and the cost of a weight sync through disk.
 
 (a) The same requests (random prompts of --prompt_len tokens, --new_tokens sampled per
@@ -68,7 +68,8 @@ def _start_server(hf_dir, port, log_path, slots=None, max_len=None, warmup=True,
   log = open(log_path, "w")
   pin = ["taskset", "-c", str(core)] if core is not None else []
   proc = subprocess.Popen(
-      [*pin, sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir, "--port", str(port),
+      [*pin, sys.executable, "-m", "rstar_jax.rollout.api_server", "--hf_dir", hf_dir,
+       "--port", str(port),
        "--num_slots", str(slots or FLAGS.slots), "--max_len", str(max_len or FLAGS.max_len),
        *([] if warmup else ["--no_warmup"])],
       env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -94,8 +95,8 @@ def main(argv):
   import numpy as np
   from flax import nnx
 
-  from rstar_jax.model import config as model_config, hf_io, qwen3
-  from rstar_jax.rollout import sglang_engine as se
+  from rstar_jax.model import model_config, hf_io, qwen3
+  from rstar_jax.rollout.sglang import engine as se
   from rstar_jax.rollout.engine import GenerationRequest
   from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
   from rstar_jax.rollout.scheduler import EnginePool

@@ -113,7 +113,7 @@ def _ray_init(extra_path: str = "", env_vars: dict | None = None):
 def part_servers(root: str, repeats: int) -> dict:
   import ray
   from rstar_jax.recipe import cluster
-  from rstar_jax.model import config as model_config, hf_io, qwen3
+  from rstar_jax.model import model_config, hf_io, qwen3
   # A random tiny checkpoint (as experiments/benchmarks/bench_cluster.py's; that module's flags
   # cannot be imported beside these).
   hf = os.path.join(root, "tiny_hf")
@@ -423,7 +423,7 @@ def part_14b() -> dict:
   import jax
   import numpy as np
   from flax import nnx
-  from rstar_jax.model import config as model_config, qwen3
+  from rstar_jax.model import model_config, qwen3
   cfg = model_config.get_preset("qwen3-14b")
   _, state = nnx.split(qwen3.abstract_model(cfg))
   params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))

@@ -14,7 +14,7 @@ urls, urls_file = ast.literal_eval(arg("--config.tools.urls")), arg("--config.to
 with open(os.path.join(work, "starts"), "a") as f:
   f.write(json.dumps(list(urls)) + "\\n")
 from rstar_jax.rollout import chat
-from rstar_jax.rollout.tools import ToolsConfig, build_tools
+from rstar_jax.rollout.sandbox_client import ToolsConfig, build_tools
 
 async def one(tools):
   try:

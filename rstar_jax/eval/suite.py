@@ -1,7 +1,7 @@
 r"""The report's evaluation table: several benchmarks, the report's protocol, intervals.
 
 `run_suite` runs k sampled trajectories per problem of every benchmark given (the RL
-collector, `rl.rollouts.collect`: same chat protocol, tool loop, sandbox and seeds), grades
+collector, `rl.rollout_collector.collect`: same chat protocol, tool loop, sandbox and seeds), grades
 them by the benchmark's answer type (`eval.benchmarks.grade`), and writes per benchmark
 its report (`<name>.json`: pass@1 averaged over the k samples with a 95% bootstrap
 interval over problems, pass@k, mean response tokens over all and over correct samples,
@@ -37,9 +37,9 @@ import numpy as np
 
 from rstar_jax.data import math_problems
 from rstar_jax.eval import benchmarks as bench_lib
-from rstar_jax.eval import evaluate as eval_lib
-from rstar_jax.eval import metrics
-from rstar_jax.rl import rollouts
+from rstar_jax.eval import eval_runs as eval_lib
+from rstar_jax.eval import pass_at_k
+from rstar_jax.rl import rollout_collector
 from rstar_jax.rollout import agent_loop
 
 SUITE_SALT = 40   # the suite's seed stream: (seed, EVAL, SUITE_SALT, crc32(benchmark name))
@@ -136,7 +136,7 @@ class BenchmarkResult:
     return {**dataclasses.asdict(self), "report_inside": self.report_inside}
 
 
-def result_from(bench: bench_lib.Benchmark, path: str, report: metrics.EvalReport, *,
+def result_from(bench: bench_lib.Benchmark, path: str, report: pass_at_k.EvalReport, *,
                 ci_seed: int) -> BenchmarkResult:
   lo, hi = bootstrap_interval([p.mean_reward for p in report.per_problem], seed=ci_seed)
   k = report.samples_per_problem
@@ -274,7 +274,7 @@ def _keep_previous(stem: str, made_with: Any) -> None:
 
 def stream_of(seed: int, name: str) -> tuple[int, ...]:
   """A benchmark's seed stream: its own, whichever other benchmarks run beside it."""
-  return (seed, rollouts.EVAL, SUITE_SALT, zlib.crc32(name.encode("utf-8")))
+  return (seed, rollout_collector.EVAL, SUITE_SALT, zlib.crc32(name.encode("utf-8")))
 
 
 def run_benchmark(engine, tools, proto, tokenizer, bench: bench_lib.Benchmark,
@@ -282,22 +282,23 @@ def run_benchmark(engine, tools, proto, tokenizer, bench: bench_lib.Benchmark,
                   stream: Sequence[int], journal: str | None = None, journal_key: Any = None,
                   progress: bool = True, desc: str = "", model_source: str = "",
                   seed: int | None = None
-                  ) -> tuple[metrics.EvalReport, list[agent_loop.Trajectory]]:
+                  ) -> tuple[pass_at_k.EvalReport, list[agent_loop.Trajectory]]:
   """k graded trajectories per problem of one benchmark, and their report."""
-  groups = rollouts.collect(engine, tools, proto, tokenizer, problems, k=cfg.k, agent=cfg.agent,
-                            stream=stream, progress=progress, desc=desc or bench.name,
-                            journal=journal, journal_key=journal_key)
+  groups = rollout_collector.collect(engine, tools, proto, tokenizer, problems, k=cfg.k,
+                                     agent=cfg.agent, stream=stream, progress=progress,
+                                     desc=desc or bench.name, journal=journal,
+                                     journal_key=journal_key)
   trajs = [t for g in groups for t in g]
-  rollouts.raise_if_failed(trajs, f"benchmark {bench.name}")
+  rollout_collector.raise_if_failed(trajs, f"benchmark {bench.name}")
   if bench.answer_type == "choice":   # collect graded them as math; the letter decides
     for p, group in zip(problems, groups, strict=True):
       for t in group:
         t.reward = bench_lib.grade(bench, t.model_text(tokenizer), p.answer,
                                    truncated=t.truncated)
   ks = sorted({1, cfg.k} | {x for x in (2, 4, 8, 16) if x < cfg.k})
-  report = metrics.compute_report(eval_lib.records_from(trajs), temperature=cfg.agent.temperature,
-                                  top_p=cfg.agent.top_p, ks=ks, dataset=bench.name,
-                                  model_source=model_source, seed=seed)
+  report = pass_at_k.compute_report(eval_lib.records_from(trajs), temperature=cfg.agent.temperature,
+                                    top_p=cfg.agent.top_p, ks=ks, dataset=bench.name,
+                                    model_source=model_source, seed=seed)
   return report, trajs
 
 
@@ -337,7 +338,7 @@ def run_suite(engine: Callable[[], Any], tools, proto, tokenizer,
       _keep_previous(stem, made_with)
     if prior == made_with and os.path.exists(report_path):
       with open(report_path) as f:
-        report = metrics.EvalReport.from_json(f.read())
+        report = pass_at_k.EvalReport.from_json(f.read())
       print(f"[{i + 1}/{len(loaded)}] {b.name}: already evaluated with these settings "
             f"({report_path})")
     else:

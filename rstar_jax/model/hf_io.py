@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rstar_jax import distributed, sharding
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.model.qwen3 import Qwen3, abstract_model
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

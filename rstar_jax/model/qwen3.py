@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from rstar_jax import sharding
 from rstar_jax.model import blockwise_attention
 from rstar_jax.model import decode_attention
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 
 Cache = dict[str, tuple[jax.Array, ...]]  # {"k": L x [B, Nkv, D, S], "v": L x [B, Nkv, S, D]}
 _NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN.

@@ -1,7 +1,7 @@
 """Fleets on Ray: sandbox servers, rollout servers and the trainer processes as actors.
 
 Ray places and supervises the processes; it carries no data. Each server actor runs
-one server process (`python -m sandbox.server`, `python -m rstar_jax.rollout.server`
+one server process (`python -m sandbox.server`, `python -m rstar_jax.rollout.api_server`
 or SGLang's `sglang.launch_server`) on a port of its node and restarts it on the same
 port when it dies, so the URLs handed to the trainer stay valid: the sandbox client's
 rotation and the rollout scheduler ride out the gap over HTTP as they do for any
@@ -169,7 +169,7 @@ def server_command(role: str, cfg: ClusterConfig, host: str, port: int,
     return [py, "-m", "sandbox.server", "--host", host, "--port", str(port), *weak,
             *cfg.sandbox_args]
   if cfg.rollout_backend == "server":
-    return [py, "-m", "rstar_jax.rollout.server", "--hf_dir", cfg.rollout_hf_dir,
+    return [py, "-m", "rstar_jax.rollout.api_server", "--hf_dir", cfg.rollout_hf_dir,
             "--host", host, "--port", str(port), *cfg.rollout_args]
   return [py, "-m", "sglang.launch_server", "--model-path", cfg.rollout_hf_dir,
           "--host", host, "--port", str(port), *cfg.rollout_args]

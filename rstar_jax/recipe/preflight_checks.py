@@ -23,7 +23,7 @@ def model_architecture(model: Any, default_preset: str = ""):
   one, else the preset (`default_preset` when the section names none: its hf_dir is
   given at launch) with every architecture field the section sets. Reads no weights."""
   import os
-  from rstar_jax.model import config as model_config
+  from rstar_jax.model import model_config
 
   def get(name):
     if isinstance(model, dict) or hasattr(model, "keys"):

@@ -16,11 +16,11 @@ list alone. `tests/test_config_imports.py` holds both sides to it: configs impor
 nothing else of the package, and every dataclass their sections build is named here.
 """
 from rstar_jax.config_utils import as_plain, section
-from rstar_jax.data.sources import DataConfig, SFTDataConfig, TokenizerConfig, ToyDataConfig
+from rstar_jax.data.data_config import DataConfig, SFTDataConfig, TokenizerConfig, ToyDataConfig
 from rstar_jax.data.toy_task import TraceConfig, toy_chat_config
 from rstar_jax.distributed import DistributedConfig
 from rstar_jax.eval.suite import PROTOCOLS
-from rstar_jax.model.config import ModelConfig
+from rstar_jax.model.model_config import ModelConfig
 from rstar_jax.optim import OptimizerConfig
 from rstar_jax.recipe.cluster import ClusterConfig
 from rstar_jax.recipe.layout import Layout, sglang_args
@@ -34,8 +34,8 @@ from rstar_jax.rollout.agent_loop import AgentConfig
 from rstar_jax.rollout.backends import RolloutConfig
 from rstar_jax.rollout.chat import ChatConfig
 from rstar_jax.rollout.jax_engine import EngineConfig
-from rstar_jax.rollout.sglang_transport import ClientConfig
-from rstar_jax.rollout.tools import ToolsConfig
+from rstar_jax.rollout.sglang.transport import ClientConfig
+from rstar_jax.rollout.sandbox_client import ToolsConfig
 from rstar_jax.rollout.weight_sync import WeightSyncConfig
 from rstar_jax.sharding import MeshConfig
 from rstar_jax.train.step import StepConfig

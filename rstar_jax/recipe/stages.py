@@ -26,17 +26,17 @@ from flax import nnx
 from rstar_jax import checkpoint, compile_cache, config_utils, distributed, sharding
 from rstar_jax import jsonl
 from rstar_jax.analysis import progress as progress_plot
-from rstar_jax.data import sources
-from rstar_jax.eval import evaluate as eval_lib
-from rstar_jax.eval import metrics as eval_metrics
+from rstar_jax.data import data_config
+from rstar_jax.eval import eval_runs as eval_lib
+from rstar_jax.eval import pass_at_k as eval_metrics
 from rstar_jax.eval import suite as eval_suite
-from rstar_jax.model import config as model_config
+from rstar_jax.model import model_config
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.recipe import preflight_checks, workdir_state
-from rstar_jax.rl import rollouts
+from rstar_jax.rl import rollout_collector
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import agent_loop, backends, chat, chat_template
-from rstar_jax.rollout import tools as tools_lib
+from rstar_jax.rollout import sandbox_client as tools_lib
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
@@ -44,7 +44,7 @@ from rstar_jax.train import interrupt
 # (workdir_state.STAGE_DIRS), the final evaluation its report.
 RL_STAGES = workdir_state.STAGE_DIRS[1:]
 ALL_STAGES = (*workdir_state.STAGE_DIRS, "eval")
-# Seed-stream salts of the evaluation-style runs (see rl.rollouts).
+# Seed-stream salts of the evaluation-style runs (see rl.rollout_collector).
 EVAL_SALT, FILTER_SALT = 99, 77
 
 
@@ -53,7 +53,7 @@ EVAL_SALT, FILTER_SALT = 99, 77
 class SFTStage(sft_trainer.SFTConfig):
   """`config.sft`: the SFT trainer's config plus whether to run it and on what data."""
   enabled: bool = True
-  data: sources.SFTDataConfig = dataclasses.field(default_factory=sources.SFTDataConfig)
+  data: data_config.SFTDataConfig = dataclasses.field(default_factory=data_config.SFTDataConfig)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,10 +137,10 @@ class RecipeConfig:
   mesh: sharding.MeshConfig = dataclasses.field(default_factory=sharding.MeshConfig)
   model: model_config.ModelConfig = dataclasses.field(
       default_factory=lambda: model_config.ModelConfig(preset="tiny"))
-  tokenizer: sources.TokenizerConfig = dataclasses.field(
-      default_factory=sources.TokenizerConfig)
+  tokenizer: data_config.TokenizerConfig = dataclasses.field(
+      default_factory=data_config.TokenizerConfig)
   chat: chat.ChatConfig = dataclasses.field(default_factory=chat.ChatConfig)
-  data: sources.DataConfig = dataclasses.field(default_factory=sources.DataConfig)
+  data: data_config.DataConfig = dataclasses.field(default_factory=data_config.DataConfig)
   tools: tools_lib.ToolsConfig = dataclasses.field(default_factory=tools_lib.ToolsConfig)
   rollout: backends.RolloutConfig = dataclasses.field(default_factory=backends.RolloutConfig)
   sft: SFTStage = dataclasses.field(default_factory=SFTStage)
@@ -294,19 +294,19 @@ def build_context(cfg: RecipeConfig, tools, workdir: str | None = None, tokenize
   workdir = workdir or os.path.abspath(cfg.workdir)
   mesh, rules = cfg.mesh.make(), cfg.mesh.logical_rules()
   if tokenizer is None and distributed.is_main():   # a toy tokenizer is trained once
-    tokenizer = sources.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
+    tokenizer = data_config.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
   distributed.barrier("tokenizer")
-  tok = tokenizer or sources.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
+  tok = tokenizer or data_config.build_tokenizer(cfg.tokenizer, workdir, seed=cfg.seed)
   proto = chat.ChatProtocol(tok, cfg.chat)
-  train, evals = sources.load_problems(cfg.data, seed=cfg.seed)
+  train, evals = data_config.load_problems(cfg.data, seed=cfg.seed)
   return Context(cfg, workdir, tok, proto, train, evals, tools, mesh, rules)
 
 
 # ---- stages -------------------------------------------------------------------------
 def sft_pairs(ctx: Context) -> list[tuple[list[int], list[int]]]:
   c = ctx.config
-  return sources.sft_conversations(c.sft.data, c.data, ctx.proto, seed=c.seed,
-                                   on_error=c.data.on_error)
+  return data_config.sft_conversations(c.sft.data, c.data, ctx.proto, seed=c.seed,
+                                       on_error=c.data.on_error)
 
 
 def sft_trainer_for(ctx: Context, model, workdir: str) -> sft_trainer.SFTTrainer:
@@ -391,12 +391,12 @@ def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
   # Resumable (8 rollouts of every training problem: many hours at 14B); a signal stops
   # it at the next finished rollout.
   journal = cache[:-len(".json")] + ".journal.jsonl"
-  groups = rollouts.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
-                            k=stage_cfg.hard_k, agent=stage_cfg.agent,
-                            stream=(ctx.config.seed, rollouts.EVAL, FILTER_SALT),
+  groups = rollout_collector.collect(engines, ctx.tools, ctx.proto, ctx.tokenizer, pool,
+                                     k=stage_cfg.hard_k, agent=stage_cfg.agent,
+                            stream=(ctx.config.seed, rollout_collector.EVAL, FILTER_SALT),
                             progress=True, desc="stage3 filter", journal=journal,
                             journal_key=made_with)
-  rollouts.raise_if_failed([t for g in groups for t in g], "stage-3 filter")
+  rollout_collector.raise_if_failed([t for g in groups for t in g], "stage-3 filter")
   records = eval_lib.records_from([t for g in groups for t in g])
   uids = eval_metrics.unsolved_problems(records, k=stage_cfg.hard_k)
   os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -539,7 +539,7 @@ def _evaluate(ctx: Context, engines, name: str, source: str):
   key = _eval_key(ctx, name, source)
   report, trajs = eval_lib.evaluate(engines, ctx.tools, ctx.proto,
                                     ctx.tokenizer, ctx.eval_problems, e,
-                                    stream=(ctx.config.seed, rollouts.EVAL, EVAL_SALT),
+                                    stream=(ctx.config.seed, rollout_collector.EVAL, EVAL_SALT),
                                     dataset=name, model_source=source or name,
                                     seed=ctx.config.seed, journal=journal, journal_key=key)
   path = os.path.join(ctx.workdir, f"eval_{name}.json")
@@ -790,7 +790,7 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
                 stop: interrupt.StopRequests):
   """The stages in `todo`; a signal stops the run after the stage in flight, or, in an
   evaluation or the stage-3 filter (hours at 14B), at its next finished trajectory: the
-  journaled collection raises `interrupt.Interrupted` (see `rl.rollouts.collect`), and
+  journaled collection raises `interrupt.Interrupted` (see `rl.rollout_collector.collect`), and
   the same command resumes from the journal to the uninterrupted result."""
   reports: dict[str, Any] = {}
   model = None
@@ -868,7 +868,7 @@ def evaluate_hf_dir(config, hf_dir: str):
   if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
     tok = tokenizer_lib.Tokenizer.from_dir(hf_dir)
   elif cfg.tokenizer.kind == "hf":
-    tok = sources.build_tokenizer(cfg.tokenizer, cfg.workdir, seed=cfg.seed)
+    tok = data_config.build_tokenizer(cfg.tokenizer, cfg.workdir, seed=cfg.seed)
   else:
     raise config_utils.ConfigError(
         f"--hf_dir {hf_dir} has no tokenizer.json, and config.tokenizer.kind='toy' would "

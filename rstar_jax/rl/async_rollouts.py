@@ -133,7 +133,7 @@ class Pending:
 class RolloutPipeline:
   """A worker thread that generates steps' rollouts in submission order.
 
-  `collect(batch, step)` returns a step's groups (rl.rollouts.collect with the step's
+  `collect(batch, step)` returns a step's groups (rl.rollout_collector.collect with the step's
   stream); `engines.update_weights(params, version)` moves the engines.
   `in_flight` ("between_requests"): `publish` also moves them while a collection runs,
   through `engines.update_weights_between_requests`, in a thread of its own."""

@@ -5,7 +5,7 @@ One step: a batch of prompts -> 2G rollouts each (engines + sandbox, concurrentl
 policy update -> the engines get the new parameters (in process: a reference).
 
 The engines and the tool executor are given to the trainer (see
-`rollout.backends.build_engine_pool`, `rollout.tools.build_tools`); it never builds them.
+`rollout.backends.build_engine_pool`, `rollout.sandbox_client.build_tools`); it never builds them.
 
 Reproducibility and resumption: every random choice of step s derives from
 (seed, s): rollout seeds, the RoC generator. The data iterator's position is saved
@@ -36,13 +36,13 @@ import numpy as np
 from rstar_jax import checkpoint as ckpt_lib
 from rstar_jax import config_utils
 from rstar_jax import distributed
-from rstar_jax import metrics as metrics_lib
+from rstar_jax import metrics_writer as metrics_lib
 from rstar_jax import optim
 from rstar_jax import sharding
 from rstar_jax.data import math_problems
 from rstar_jax.rl import advantages as adv_lib
 from rstar_jax.rl import async_rollouts as async_lib
-from rstar_jax.rl import batching, losses, roc, rollouts
+from rstar_jax.rl import batching, losses, roc, rollout_collector
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rollout import agent_loop, chat
 from rstar_jax.train import interrupt
@@ -331,9 +331,9 @@ class RLTrainer:
   # ---- one step ------------------------------------------------------------------
   def rollouts(self, batch: Sequence[math_problems.MathProblem], step: int
                ) -> list[list[agent_loop.Trajectory]]:
-    return rollouts.collect(self.engines, self.tools, self.proto, self.tok, batch,
-                            k=self.config.samples_per_prompt, agent=self.agent,
-                            stream=(self.seed, step))
+    return rollout_collector.collect(self.engines, self.tools, self.proto, self.tok, batch,
+                                     k=self.config.samples_per_prompt, agent=self.agent,
+                                     stream=(self.seed, step))
 
   def run_step(self) -> dict[str, float]:
     if self.max_staleness > 0:
@@ -370,10 +370,10 @@ class RLTrainer:
     """A step's generated groups -> (metrics, the padded batch arrays or None).
     `pending`: an asynchronous step's (entry, seconds waited for it)."""
     config = self.config
-    groups, failed = rollouts.drop_failed_groups(groups, f"step {step}")
+    groups, failed = rollout_collector.drop_failed_groups(groups, f"step {step}")
     if pending is None:
       flat = [t for g in groups for t in g]
-      rollouts.check_weight_versions(flat, self.version, f"step {step}")
+      rollout_collector.check_weight_versions(flat, self.version, f"step {step}")
     else:
       entry, wait_s = pending
       groups, ages, stale = async_lib.staleness_filter(
@@ -382,7 +382,7 @@ class RLTrainer:
       if stale:
         logging.warning("step %d: %d groups dropped: generated with weights more than %d "
                         "versions old or unknown", step, stale, self.max_staleness)
-    metrics = rollouts.metrics(flat)
+    metrics = rollout_collector.metrics(flat)
     metrics["rollout/failed_groups"] = float(failed)
     self.last_trajectories = flat
     if pending is not None:
@@ -401,12 +401,12 @@ class RLTrainer:
                         "update/zero_advantage": 1.0})
         return metrics, None
 
-    stats = [[rollouts.rollout_stats(t) for t in g] for g in groups]
+    stats = [[rollout_collector.rollout_stats(t) for t in g] for g in groups]
     ds = roc.downsample(stats, config.downsample, np.random.default_rng([self.seed, step]))
     metrics.update(ds.stats)  # keys already carry the "roc/" prefix
     kept = [[g[i] for i in idx] for g, idx in zip(groups, ds.kept)]
     kept = [g for g in kept if g]
-    metrics.update(rollouts.metrics([t for g in kept for t in g], prefix="kept/"))
+    metrics.update(rollout_collector.metrics([t for g in kept for t in g], prefix="kept/"))
     metrics["time/rollout_s"] = t_roll
     gen_tokens = sum(t.model_tokens for t in flat)
     metrics["time/rollout_tokens_per_s"] = gen_tokens / max(t_roll, 1e-9)
@@ -423,7 +423,7 @@ class RLTrainer:
     # (all the loss but a KL term) and its gradient are 0 (see `no_learning_signal`).
     metrics["update/zero_advantage"] = float(not np.any(adv_flat))
     rows = core.batch_multiple(config.step.micro_batches, self.mesh)
-    arrays = batching.build_batch([rollouts.token_trajectory(t) for t in trajs], adv_flat,
+    arrays = batching.build_batch([rollout_collector.token_trajectory(t) for t in trajs], adv_flat,
                                   row_multiple=rows, length_multiple=config.length_multiple,
                                   pow2_rows=config.pow2_rows,
                                   max_len=self.max_batch_len(),

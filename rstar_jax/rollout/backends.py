@@ -4,7 +4,7 @@ The trainer, the evaluation runner and the recipe receive the pool and never bui
 an engine themselves. A backend is a function `(RolloutConfig, model) -> [Engine]`
 registered under its `rollout.backend` name: `jax` (in-process JaxEngines reading the
 trainer's parameters), `sglang` (SGLang 0.5.23 servers at `rollout.servers`) and
-`server` (our own JAX rollout servers, `python -m rstar_jax.rollout.server`, same API).
+`server` (our own JAX rollout servers, `python -m rstar_jax.rollout.api_server`, same API).
 HTTP engines take new weights from disk: their pool's `update_weights(params, version)`
 writes a versioned HF checkpoint under `rollout.weight_sync.dir` and moves every server
 onto it (`weight_sync.DiskWeightSync`).
@@ -20,7 +20,7 @@ from rstar_jax.registry import Registry
 from rstar_jax.rollout import scheduler
 from rstar_jax.rollout.engine import Engine
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
-from rstar_jax.rollout.sglang_transport import ClientConfig
+from rstar_jax.rollout.sglang.transport import ClientConfig
 from rstar_jax.rollout.weight_sync import DiskWeightSync, WeightSyncConfig
 
 Backend = Callable[["RolloutConfig", object], Sequence[Engine]]
@@ -41,7 +41,7 @@ class RolloutConfig:
     weight_sync: how those servers get the trainer's weights (a versioned checkpoint
       on storage they read).
     client: the HTTP client of those servers (time limits, retries, probing, the pause
-      mode of weight updates; `sglang_transport.ClientConfig`); `client.require_deterministic`
+      mode of weight updates; `sglang.transport.ClientConfig`); `client.require_deterministic`
       refuses servers not running SGLang's deterministic inference.
     servers_file: a fleet file (`rollout.fleet_file`) that a cluster supervisor rewrites
       when a server moves to a new URL (its node lost); watched while the pool runs, and
@@ -96,7 +96,7 @@ def _http_engines(cfg: RolloutConfig, model, *, rules=None) -> list[Engine]:
   is not used: each server places its own cache."""
   del rules
   from rstar_jax.model import hf_io
-  from rstar_jax.rollout import sglang_engine
+  from rstar_jax.rollout.sglang import engine as sglang_engine
   expected = None
   if model is not None and hasattr(model, "cfg"):
     expected = hf_io.config_to_hf_dict(model.cfg, model.cfg.param_dtype)

@@ -52,7 +52,7 @@ import numpy as np
 
 from rstar_jax import sharding
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.rollout import sampling
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult

@@ -126,7 +126,7 @@ class DiskWeightSync:
 
   def _serve(self, tmp: str, final: str, version: str, t0: float) -> dict[str, float]:
     """Process 0: the written checkpoint into place, then every server onto it."""
-    from rstar_jax.rollout import sglang_admin
+    from rstar_jax.rollout.sglang import engine as sglang_engine
     nbytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
     if os.path.exists(final):                 # the same version again (a resumed run)
       shutil.rmtree(final)
@@ -136,7 +136,7 @@ class DiskWeightSync:
       self.published.remove(final)
     self.published.append(final)
     t1 = time.perf_counter()
-    per_server = sglang_admin.update_weights_from_disk(self.engines, final, version)
+    per_server = sglang_engine.update_weights_from_disk(self.engines, final, version)
     t2 = time.perf_counter()
     while len(self.published) > self.cfg.keep:
       shutil.rmtree(self.published.pop(0), ignore_errors=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from rstar_jax import checkpoint as ckpt_lib
 from rstar_jax import distributed
-from rstar_jax import metrics as metrics_lib
+from rstar_jax import metrics_writer as metrics_lib
 from rstar_jax import optim
 from rstar_jax import sharding
 from rstar_jax.sft import packing

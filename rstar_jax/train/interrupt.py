@@ -94,7 +94,7 @@ def _hold_abort(signum, frame) -> None:
 def stop_signal() -> int | None:
   """The signal of the stop requested of the active `StopRequests` (None: none asked, or
   no `StopRequests` active). Read by loops that stop at a boundary of their own rather
-  than a step's: a journaled rollout collection (`rl.rollouts.collect`) stops at the
+  than a step's: a journaled rollout collection (`rl.rollout_collector.collect`) stops at the
   next finished trajectory."""
   active = StopRequests._active
   return None if active is None else active.signum

@@ -187,7 +187,7 @@ def test_load_trajectories_errors_name_file_and_line(tmp_path):
 def test_write_samples_rows_load(tmp_path):
   """The evaluation's samples file carries what the analysis needs."""
   from rstar_jax.data import math_problems
-  from rstar_jax.eval import evaluate
+  from rstar_jax.eval import eval_runs
   from rstar_jax.rollout import agent_loop
 
   class Tok:
@@ -197,7 +197,7 @@ def test_write_samples_rows_load(tmp_path):
   t = agent_loop.Trajectory(uid="p#1", prompt_ids=[1, 2], response_ids=[3, 4, 5, 6],
                             response_mask=[1, 0, 0, 1], reward=1.0)
   path = str(tmp_path / "eval_x_samples.jsonl")
-  evaluate.write_samples(path, [t], [math_problems.MathProblem("p", "q", "1", "s")], Tok())
+  eval_runs.write_samples(path, [t], [math_problems.MathProblem("p", "q", "1", "s")], Tok())
   (row,) = entropy.load_trajectories(path)
   assert row.prompt_ids.tolist() == [1, 2] and row.response_ids.tolist() == [3, 4, 5, 6]
   assert row.response_mask.tolist() == [1, 0, 0, 1] and row.uid == "p#1"

@@ -392,7 +392,7 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   evaluation then failed after generating everything. Default uids now carry the
   directory when names clash; ids from the rows that clash in the eval data are refused
   when the files are loaded."""
-  from rstar_jax.data import sources
+  from rstar_jax.data import data_config
   rows = [{"problem": f"q{i}", "answer": str(i)} for i in range(2)]
   a = _write_jsonl((tmp_path / "aime24").mkdir() or tmp_path / "aime24" / "test.jsonl", rows)
   b = _write_jsonl((tmp_path / "aime25").mkdir() or tmp_path / "aime25" / "test.jsonl", rows)
@@ -404,21 +404,22 @@ def test_files_that_share_a_name_give_distinct_uids_and_eval_clashes_fail_at_loa
   pq.write_table(pa.table({"problem": ["q9"], "answer": ["9"]}), tmp_path / "other.parquet")
   assert [p.uid for p in mp.load_math_problems([c, tmp_path / "other.parquet"]).items] == [
       "other.jsonl:1", "other.jsonl:2", "other.parquet:1"]
-  _, evals = sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(a), str(b))),
-                                   seed=0)
+  _, evals = data_config.load_problems(
+      data_config.DataConfig(kind="files", eval_files=(str(a), str(b))), seed=0)
   assert len({p.uid for p in evals}) == 4
   with_ids = [dict(r, id=i) for i, r in enumerate(rows)]
   x = _write_jsonl(tmp_path / "x.jsonl", with_ids)
   y = _write_jsonl(tmp_path / "y.jsonl", with_ids)
   with pytest.raises(DataError, match=r"x.jsonl, .*y.jsonl: evaluation problems: 2 duplicate "
                                          r"uid\(s\), e.g. '0' \(items 0 and 2\)"):
-    sources.load_problems(sources.DataConfig(kind="files", eval_files=(str(x), str(y))), seed=0)
+    data_config.load_problems(
+        data_config.DataConfig(kind="files", eval_files=(str(x), str(y))), seed=0)
 
 
 def _train(*paths):
-  from rstar_jax.data import sources
-  cfg = sources.DataConfig(kind="files", train_files=tuple(str(p) for p in paths))
-  return sources.load_problems(cfg, seed=0)[0]
+  from rstar_jax.data import data_config
+  cfg = data_config.DataConfig(kind="files", train_files=tuple(str(p) for p in paths))
+  return data_config.load_problems(cfg, seed=0)[0]
 
 
 def test_training_files_numbered_from_zero_each_get_file_prefixed_uids(tmp_path):

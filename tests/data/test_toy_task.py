@@ -299,15 +299,15 @@ def test_the_workdir_tokenizer_is_reused_only_with_the_settings_it_was_trained_w
   """A run stopped before its first checkpoint may change its config; the toy tokenizer it
   had trained stayed in the workdir and was used under the new settings, config.json then
   stating a vocabulary the run did not have."""
-  from rstar_jax.data import sources
-  cfg = sources.TokenizerConfig(kind="toy", vocab_size=600, number_chunk=3)
-  tok = sources.build_tokenizer(cfg, str(tmp_path), seed=0)
+  from rstar_jax.data import data_config
+  cfg = data_config.TokenizerConfig(kind="toy", vocab_size=600, number_chunk=3)
+  tok = data_config.build_tokenizer(cfg, str(tmp_path), seed=0)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]   # no temporary left
-  again = sources.build_tokenizer(cfg, str(tmp_path), seed=0)
+  again = data_config.build_tokenizer(cfg, str(tmp_path), seed=0)
   assert again.vocab_size == tok.vocab_size
-  bigger = sources.TokenizerConfig(kind="toy", vocab_size=900, number_chunk=3)
+  bigger = data_config.TokenizerConfig(kind="toy", vocab_size=900, number_chunk=3)
   with pytest.raises(ValueError, match="was trained with .*'vocab_size': 600.* asks for "
                                        ".*'vocab_size': 900"):
-    sources.build_tokenizer(bigger, str(tmp_path), seed=0)
+    data_config.build_tokenizer(bigger, str(tmp_path), seed=0)
   with pytest.raises(ValueError, match="'seed': 0.*'seed': 1"):
-    sources.build_tokenizer(cfg, str(tmp_path), seed=1)
+    data_config.build_tokenizer(cfg, str(tmp_path), seed=1)

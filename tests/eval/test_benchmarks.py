@@ -11,7 +11,7 @@ import pytest
 
 from rstar_jax import answers
 from rstar_jax.eval import benchmarks, suite
-from rstar_jax.eval import evaluate as eval_lib
+from rstar_jax.eval import eval_runs as eval_lib
 from tests.eval import benchmark_fixtures as fx
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from rstar_jax.data import math_problems, toy_task
-from rstar_jax.eval import evaluate
+from rstar_jax.eval import eval_runs
 from rstar_jax.rollout import agent_loop, chat
 from rstar_jax.rollout.jax_engine import GenerationResult
 
@@ -48,8 +48,8 @@ def test_evaluate_on_scripted_engine():
                                         source="toy") for i, p in enumerate(toy)]
   engine = ScriptedEngine(tok, proto, problems, lambda p: proto.prompt_ids(p.problem))
   cfg = agent_loop.AgentConfig(max_turns=2, max_response_tokens=64, temperature=0.8)
-  report, trajs = evaluate.evaluate(engine, NoTools(), proto, tok, problems,
-                                    evaluate.EvalConfig(k=4, agent=cfg), stream=(0,),
+  report, trajs = eval_runs.evaluate(engine, NoTools(), proto, tok, problems,
+                                    eval_runs.EvalConfig(k=4, agent=cfg), stream=(0,),
                                     progress=False, dataset="scripted", model_source="x", seed=3)
   # Problem i has exactly one correct sample among j = 0..3: pass@1 = 1/4, pass@4 = 1.
   assert abs(report.pass_at_1 - 0.25) < 1e-9
@@ -64,7 +64,7 @@ def test_evaluate_on_scripted_engine():
 def test_response_tokens_count_tool_outputs_as_the_budget_does():
   t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=list(range(10)),
                             response_mask=[1] * 4 + [0] * 3 + [1] * 3, turns=[(0, 4), (7, 10)])
-  (rec,) = evaluate.records_from([t])
+  (rec,) = eval_runs.records_from([t])
   assert rec.response_tokens == 10 and t.model_tokens == 7
 
 
@@ -81,7 +81,7 @@ def test_write_samples_writes_parquet_meta_as_text(tmp_path):
   problem = math_problems.MathProblem("p", "What is 2+2?", "4", "s", meta)
   t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1])
   path = str(tmp_path / "samples.jsonl")
-  evaluate.write_samples(path, [t], [problem], _Decode())
+  eval_runs.write_samples(path, [t], [problem], _Decode())
   (row,) = [json.loads(line) for line in open(path)]
   assert row["meta"] == {"date": "2025-02-15T00:00:00", "difficulty": "2.5", "note": "plain",
                          "image": "b'\\x89PNG'", "level": 3}
@@ -95,7 +95,7 @@ def test_write_samples_leaves_no_tmp_file_when_it_fails(tmp_path):
 
   t = agent_loop.Trajectory(uid="p#0", prompt_ids=[1], response_ids=[2], response_mask=[1])
   with pytest.raises(RuntimeError, match="decoder broke"):
-    evaluate.write_samples(str(tmp_path / "s.jsonl"), [t], [], Broken())
+    eval_runs.write_samples(str(tmp_path / "s.jsonl"), [t], [], Broken())
   assert os.listdir(tmp_path) == []
 
 

@@ -15,7 +15,7 @@ import pytest
 from rstar_jax.data import toy_task
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.model import tokenizer as tokenizer_lib
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rollout import chat, chat_template
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 from rstar_jax import sharding
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)

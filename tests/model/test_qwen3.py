@@ -10,7 +10,7 @@ import pytest
 
 from rstar_jax import sharding
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.model.config import Qwen3Config, get_preset
+from rstar_jax.model.model_config import Qwen3Config, get_preset
 
 CFG = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,

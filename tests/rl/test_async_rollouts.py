@@ -23,7 +23,7 @@ import pytest
 from experiments.configs import toy
 from rstar_jax.recipe import stages
 from rstar_jax.rl import async_rollouts as async_lib
-from rstar_jax.rl import batching, rollouts
+from rstar_jax.rl import batching, rollout_collector
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import agent_loop, backends
@@ -61,7 +61,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def parity_reward(monkeypatch):
-  monkeypatch.setattr(rollouts.rewards, "compute_reward", _parity_reward)
+  monkeypatch.setattr(rollout_collector.rewards, "compute_reward", _parity_reward)
 
 
 def _trainer(setup, name, k, **loss):
@@ -95,7 +95,7 @@ def uninterrupted(setup):
   """k = 1, STEPS steps: (history, final params, params after each step, each step's
   trajectories, trainer's version names by step)."""
   mp = pytest.MonkeyPatch()
-  mp.setattr(rollouts.rewards, "compute_reward", _parity_reward)
+  mp.setattr(rollout_collector.rewards, "compute_reward", _parity_reward)
   t = _trainer(setup, "k1", 1)
   after = {0: jax.tree.map(np.asarray, t.params())}
   trajs = {}
@@ -155,7 +155,7 @@ def test_recorded_versions_are_the_weights_that_sampled(setup, uninterrupted):
   cfg, _, _, _ = setup
   _, _, after, trajs, names, t = uninterrupted
   assert {tuple(tr.weight_versions) for tr in trajs[2]} == {(names[1],)}
-  arrays = batching.build_batch([rollouts.token_trajectory(tr) for tr in trajs[2]],
+  arrays = batching.build_batch([rollout_collector.token_trajectory(tr) for tr in trajs[2]],
                                 np.zeros(len(trajs[2]), np.float32), length_multiple=64)
   fn = ts.make_logprob_fn(t.graphdef, dataclasses.replace(cfg.rl.step, micro_batches=1),
                           temperature=cfg.stage1.agent.temperature)

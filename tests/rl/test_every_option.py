@@ -17,7 +17,7 @@ import pytest
 
 from rstar_jax import optim
 from rstar_jax.recipe import stages
-from rstar_jax.model import config as model_config
+from rstar_jax.model import model_config
 from rstar_jax.model import hf_io
 from rstar_jax.rl import advantages as adv_lib
 from rstar_jax.rl import async_rollouts as async_lib

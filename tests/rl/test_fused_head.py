@@ -18,7 +18,7 @@ import pytest
 
 from rstar_jax import sharding
 from rstar_jax.model import fused_head, qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import batching, losses, train_step as ts
 from rstar_jax.rl import trainer as rl_trainer
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages
-from rstar_jax.rl import rollouts
+from rstar_jax.rl import rollout_collector
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import backends
 
@@ -101,7 +101,7 @@ def _run(root, stagger: bool, resume: bool = False):
 
 def test_two_runs_with_other_timings_and_a_resume_give_identical_metrics_and_parameters(
     tmp_path, monkeypatch):
-  monkeypatch.setattr(rollouts.rewards, "compute_reward", _parity_reward)
+  monkeypatch.setattr(rollout_collector.rewards, "compute_reward", _parity_reward)
   a_hist, a_params, a_trajs, a_engine = _run(tmp_path / "a", stagger=False)
   b_hist, b_params, b_trajs, b_engine = _run(tmp_path / "b", stagger=True, resume=True)
 

@@ -9,7 +9,7 @@ import pytest
 from rstar_jax import optim
 from rstar_jax import sharding
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import batching, losses, train_step as ts
 
 CFG = Qwen3Config(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

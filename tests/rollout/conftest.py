@@ -40,7 +40,7 @@ import pytest
 
 from sandbox.launcher import free_port  # noqa: F401  (test_sglang_engine imports it from here)
 
-from rstar_jax.rollout.sglang_wire import SGLANG_VERSION  # the one pin
+from rstar_jax.rollout.sglang.wire import SGLANG_VERSION  # the one pin
 from tests import procs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WANTED = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
@@ -232,7 +232,7 @@ SERVER_SLOTS, SERVER_MAX_LEN, SERVER_BUCKET = 4, 256, 256
 
 
 class ServerProcess:
-  """`python -m rstar_jax.rollout.server` on 127.0.0.1, started without waiting."""
+  """`python -m rstar_jax.rollout.api_server` on 127.0.0.1, started without waiting."""
 
   def __init__(self, hf_dir: str, log_dir: str, name: str, *, num_slots: int = SERVER_SLOTS,
                max_len: int = SERVER_MAX_LEN, bucket: int = SERVER_BUCKET,
@@ -248,7 +248,7 @@ class ServerProcess:
       env = procs.cpu_env(**{k: env[k] for k in ("PYTHONPATH", "RSTAR_COMPILE_CACHE")})
     self._log = open(self.log_path, "w")
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
+        [sys.executable, "-m", "rstar_jax.rollout.api_server", "--hf_dir", hf_dir,
          "--port", str(self.port), "--num_slots", str(num_slots),
          "--max_len", str(max_len), "--min_prefill_bucket", str(bucket), *extra_args],
         cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -287,7 +287,7 @@ def served(tmp_path_factory, toy_tok):
 
   a and b serve the end-to-end tests, c is updated and finally killed."""
   from rstar_jax.model import hf_io, qwen3
-  from rstar_jax.model.config import Qwen3Config
+  from rstar_jax.model.model_config import Qwen3Config
   root = tmp_path_factory.mktemp("served")
   cfg = Qwen3Config(vocab_size=toy_tok.vocab_size, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -24,14 +24,14 @@ import pytest
 
 from rstar_jax.data import toy_task
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rollout import chat
 from rstar_jax.rollout.agent_loop import AgentConfig, run_many, run_trajectory
 from rstar_jax.rollout.jax_engine import (EngineConfig, GenerationRequest, GenerationResult,
                                           JaxEngine)
 from rstar_jax.rollout.scheduler import EnginePool
-from rstar_jax.rollout.tools import SandboxTools
+from rstar_jax.rollout.sandbox_client import SandboxTools
 from sandbox.launcher import running_server
 
 
@@ -574,7 +574,7 @@ def test_a_failed_request_fails_its_trajectory_only_and_collect_runs_it_again(to
   others finish; `collect` runs the failed ones again with the same seed, and returns a
   twice-failed one as failed (RL drops its group, evaluation refuses to report)."""
   from rstar_jax.data.math_problems import MathProblem
-  from rstar_jax.rl import rollouts
+  from rstar_jax.rl import rollout_collector
   problems = [MathProblem(f"p{i}", "What is 2 + 2?", "4", "test") for i in range(3)]
   cfg = AgentConfig(max_turns=2, max_response_tokens=64)
   engine = _FlakyEngine(tok, proto, {"p1#0": 1})
@@ -585,7 +585,8 @@ def test_a_failed_request_fails_its_trajectory_only_and_collect_runs_it_again(to
   assert not trajs[1].failed and trajs[1].finish_reason == "stop"
 
   engine = _FlakyEngine(tok, proto, {"p1#0": 1, "p2#1": 2})
-  groups = rollouts.collect(engine, None, proto, tok, problems, k=2, agent=cfg, stream=(0, 1))
+  groups = rollout_collector.collect(engine, None, proto, tok, problems, k=2, agent=cfg,
+                                     stream=(0, 1))
   flat = [t for g in groups for t in g]
   assert [t.uid for t in flat] == ["p0#0", "p0#1", "p1#0", "p1#1", "p2#0", "p2#1"]
   assert [t.failed for t in flat] == [False, False, False, False, False, True]
@@ -595,10 +596,11 @@ def test_a_failed_request_fails_its_trajectory_only_and_collect_runs_it_again(to
                                                         if u == "p1#0"][:1] * 2
   with pytest.raises(RuntimeError, match=r"evaluation: 1 of 6 trajectories failed in the "
                                          r"engine twice \(first: p2#1: RequestFailed: bad"):
-    rollouts.raise_if_failed(flat, "evaluation")
-  rollouts.raise_if_failed(flat[:5], "evaluation")
-  kept, dropped = rollouts.drop_failed_groups(groups, "step 1")   # what an RL step trains on
+    rollout_collector.raise_if_failed(flat, "evaluation")
+  rollout_collector.raise_if_failed(flat[:5], "evaluation")
+  # what an RL step trains on
+  kept, dropped = rollout_collector.drop_failed_groups(groups, "step 1")
   assert dropped == 1 and [[t.uid for t in g] for g in kept] == [["p0#0", "p0#1"],
                                                                  ["p1#0", "p1#1"]]
   with pytest.raises(RuntimeError, match="step 1: every group has a trajectory the engine"):
-    rollouts.drop_failed_groups(groups[2:], "step 1")
+    rollout_collector.drop_failed_groups(groups[2:], "step 1")

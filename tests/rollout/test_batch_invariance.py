@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 
 CFG = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -26,7 +26,7 @@ import pytest
 
 from rstar_jax import sharding
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config, get_preset
+from rstar_jax.model.model_config import Qwen3Config, get_preset
 from rstar_jax.rollout import jax_engine
 from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 

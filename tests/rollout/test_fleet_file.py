@@ -13,7 +13,7 @@ import pytest
 
 from rstar_jax.rollout import chat
 from rstar_jax.rollout.fleet_file import FleetFileError, FleetWatcher, read_fleet, write_fleet
-from rstar_jax.rollout.tools import ToolsConfig, build_tools
+from rstar_jax.rollout.sandbox_client import ToolsConfig, build_tools
 from sandbox.launcher import running_server
 
 
@@ -87,7 +87,7 @@ async def _execute(tools, code):
 def test_a_client_in_a_running_loop_takes_the_new_urls_at_its_next_call(tmp_path):
   """The RL loop may keep one event loop across steps: the client made for it before the
   move switches URLs at its next call (`SandboxClient.set_urls`), not only new clients."""
-  from rstar_jax.rollout.tools import SandboxTools
+  from rstar_jax.rollout.sandbox_client import SandboxTools
   with running_server(max_children=2, pool_size=1) as b, contextlib.ExitStack() as a_server:
     a = a_server.enter_context(running_server(max_children=2, pool_size=1))
     tools = SandboxTools([a], timeout_s=30)

@@ -9,7 +9,7 @@ import pytest
 
 from rstar_jax import sharding
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import train_step as ts
 from rstar_jax.rollout import jax_engine, sampling
 from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rollout import scheduler, simulate
 from rstar_jax.rollout.jax_engine import EngineConfig, GenerationRequest, JaxEngine
 

@@ -1,4 +1,4 @@
-"""Our rollout server (`python -m rstar_jax.rollout.server`) as real processes on
+"""Our rollout server (`python -m rstar_jax.rollout.api_server`) as real processes on
 127.0.0.1, driven by the SGLang client:
 
   * multi-turn agent-loop trajectories through two servers equal the in-process
@@ -30,16 +30,13 @@ import pytest
 from rstar_jax.data import toy_task
 from rstar_jax.model import hf_io, qwen3
 from rstar_jax.rollout import chat
-from rstar_jax.rollout import sglang_admin
-from rstar_jax.rollout import sglang_engine as se
-from rstar_jax.rollout import sglang_transport as transport
-from rstar_jax.rollout import sglang_wire as wire
+from rstar_jax.rollout.sglang import engine as se, transport, wire
 from rstar_jax.rollout.agent_loop import AgentConfig, run_many
 from rstar_jax.rollout.backends import RolloutConfig, build_engine_pool
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine
 from rstar_jax.rollout.scheduler import EnginePool
-from rstar_jax.rollout.server import ServedEngine
+from rstar_jax.rollout.api_server import ServedEngine
 
 from tests.rollout.conftest import SERVER_BUCKET, SERVER_MAX_LEN, SERVER_SLOTS, ServerProcess
 
@@ -246,7 +243,7 @@ def test_weight_update_from_disk(served, sglang_schema):
   try:
     before = asyncio.run(gen_all())
     assert {r.weight_version for r in before} == {"default"}
-    secs = sglang_admin.update_weights_from_disk([eng], served["dirs"]["m2"], "step-1")
+    secs = se.update_weights_from_disk([eng], served["dirs"]["m2"], "step-1")
     assert list(secs) == [c.url]
     info = eng.get_model_info()
     assert info["weight_version"] == "step-1" and info["model_path"] == served["dirs"]["m2"]
@@ -265,9 +262,9 @@ def test_weight_update_from_disk(served, sglang_schema):
     other = qwen3.create_model(_wider(served["cfg"]))
     hf_io.save_hf(other, served["root"] + "/wide", dtype="float32")
     with pytest.raises(wire.ServerRequestError, match="another architecture: hidden_size=48"):
-      sglang_admin.update_weights_from_disk([eng], served["root"] + "/wide", "step-2")
+      se.update_weights_from_disk([eng], served["root"] + "/wide", "step-2")
     with pytest.raises(wire.ServerRequestError, match="no config.json"):
-      sglang_admin.update_weights_from_disk([eng], served["root"] + "/missing", "step-2")
+      se.update_weights_from_disk([eng], served["root"] + "/missing", "step-2")
     assert eng.get_model_info()["weight_version"] == "step-1"
     assert asyncio.run(gen_all())[0].output_ids == after[0].output_ids
   finally:
@@ -469,7 +466,7 @@ def test_running_servers_start_answer_and_are_gone_after(served, tmp_path):
   """`server.running_servers` (benchmarks' local servers): a server of a real export
   answers /health and generates inside the block and is gone after it; one that cannot
   start (no checkpoint) is an error carrying its log."""
-  from rstar_jax.rollout import server as rollout_server
+  from rstar_jax.rollout import api_server as rollout_server
   from rstar_jax.rollout.jax_engine import EngineConfig
   cfg = EngineConfig(num_slots=2, max_len=128, min_prefill_bucket=128)
   with rollout_server.running_servers(served["dirs"]["m1"], 1, cfg,

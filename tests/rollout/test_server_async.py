@@ -1,5 +1,5 @@
 """Asynchronous rollouts (rl.async_rollouts.max_staleness = 1) through a real rollout
-server (`python -m rstar_jax.rollout.server`): the trainer's worker thread publishes each
+server (`python -m rstar_jax.rollout.api_server`): the trainer's worker thread publishes each
 version as a checkpoint on disk and moves the server onto it by version, and every
 trajectory of step t reports (from the server's replies) the version
 max(t - 1, 0) that the schedule says generated it.
@@ -12,12 +12,12 @@ import asyncio
 
 from rstar_jax.data import math_problems, toy_task
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import roc
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import chat
-from rstar_jax.rollout import sglang_engine as se
+from rstar_jax.rollout.sglang import engine as se
 from rstar_jax.rollout.agent_loop import AgentConfig
 from rstar_jax.rollout.backends import RolloutConfig, build_engine_pool
 from rstar_jax.rollout.weight_sync import WeightSyncConfig

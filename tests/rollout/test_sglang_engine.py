@@ -1,5 +1,5 @@
-"""The SGLang client on its own: `rollout/sglang_engine.py` and its parts (`sglang_wire.py`,
-`sglang_transport.py`, `sglang_admin.py`).
+"""The SGLang client on its own: `rollout/sglang/engine.py` and its parts (`wire.py`,
+`transport.py`, `admin.py` beside it).
 
   * contract: the request bodies it builds validate against SGLang 0.5.23's schema read
     from the pip-downloaded wheel (see `conftest.SGLangSchema` for exactly what is
@@ -22,12 +22,9 @@ import time
 from aiohttp import web
 import pytest
 
-from rstar_jax.rollout import sglang_admin
-from rstar_jax.rollout import sglang_engine as se
-from rstar_jax.rollout import sglang_transport as transport
-from rstar_jax.rollout import sglang_wire as wire
+from rstar_jax.rollout.sglang import engine as se, transport, wire
 from rstar_jax.rollout.engine import GenerationRequest, RequestFailed
-from rstar_jax.rollout.server import SAMPLING_FIELDS
+from rstar_jax.rollout.api_server import SAMPLING_FIELDS
 
 from tests.rollout.conftest import free_port
 
@@ -403,7 +400,7 @@ def test_all_servers_dead_is_a_clear_error(fakes):
   a = fakes(lambda b: "drop")
   [eng] = se.connect([a.url], config=FAST)
   try:
-    with pytest.raises(transport.NoServerAvailable, match="no server left for request q"):
+    with pytest.raises(se.NoServerAvailable, match="no server left for request q"):
       run(eng.generate(REQ))
   finally:
     eng.stop()
@@ -445,7 +442,7 @@ def test_weight_update_sequence_and_unconfirmed_version(fakes):
   fake = fakes()
   engines = se.connect([fake.url], config=FAST)
   try:
-    secs = sglang_admin.update_weights_from_disk(engines, "/ckpt/v7", "7")
+    secs = se.update_weights_from_disk(engines, "/ckpt/v7", "7")
     assert list(secs) == [fake.url]
     admin = [r for r, _ in fake.calls if r not in ("/health", "/server_info", "/v1/loads")]
     assert admin[-4:] == ["/pause_generation", "/update_weights_from_disk",
@@ -453,7 +450,7 @@ def test_weight_update_sequence_and_unconfirmed_version(fakes):
     assert engines[0].weight_version == "7"
     fake.report_version = "6"          # the server claims success but keeps old weights
     with pytest.raises(wire.SGLangError, match="reports weight_version '6' after updating to '8'"):
-      sglang_admin.update_weights_from_disk(engines, "/ckpt/v8", "8")
+      se.update_weights_from_disk(engines, "/ckpt/v8", "8")
   finally:
     for e in engines:
       e.stop()
@@ -558,11 +555,11 @@ def test_a_returning_server_catches_up_to_the_latest_weights(fakes):
   try:
     b.healthy = False
     eb.group.io.call(_dead(eb), 10)
-    sglang_admin.update_weights_from_disk([ea, eb], "/ckpt/v1", "v1")      # a only
+    se.update_weights_from_disk([ea, eb], "/ckpt/v1", "v1")      # a only
     b.update_delay = 1.0
     b.healthy = True                                             # catching up to v1...
     _until(lambda: any(r == "/update_weights_from_disk" for r, _ in b.calls))
-    sglang_admin.update_weights_from_disk([ea, eb], "/ckpt/v2", "v2")      # ...when v2 comes
+    se.update_weights_from_disk([ea, eb], "/ckpt/v2", "v2")      # ...when v2 comes
     _until(lambda: eb.alive)
     assert eb.weight_version == "v2" and b.weight_version == "v2"
     assert [body["weight_version"] for r, body in b.calls
@@ -594,13 +591,13 @@ def test_an_abort_during_a_weight_update_is_sent_again_after_it(fakes):
     eng._paused += 1             # as between _sync_from_disk's pause and continue
     eng.group.io.call(eng._abort_quietly("r-1"), 10)
     eng._paused -= 1
-    sglang_admin.update_weights_from_disk([eng], "/ckpt/v1", "v1")
+    se.update_weights_from_disk([eng], "/ckpt/v1", "v1")
     _until(lambda: sum(r == "/abort_request" for r, _ in fake.calls) >= 2)
     routes = [r for r, _ in fake.calls]
     last_abort = max(i for i, r in enumerate(routes) if r == "/abort_request")
     assert routes.index("/continue_generation") < last_abort
     # Once only: the re-sent abort is not queued again for the next update.
-    sglang_admin.update_weights_from_disk([eng], "/ckpt/v2", "v2")
+    se.update_weights_from_disk([eng], "/ckpt/v2", "v2")
     time.sleep(0.2)
     assert [b for r, b in fake.calls if r == "/abort_request"] == [{"rid": "r-1"}] * 2
     assert not eng._abort_after_pause
@@ -659,7 +656,7 @@ def test_a_server_moved_through_the_fleet_file_rejoins_at_its_new_url_with_the_l
       backend="sglang", servers=(a.url, b.url), servers_file=fleet, client=FAST))
   ea, eb = pool.engines
   try:
-    sglang_admin.update_weights_from_disk(pool.engines, "/ckpt/v1", "v1")
+    se.update_weights_from_disk(pool.engines, "/ckpt/v1", "v1")
     assert a.weight_version == b.weight_version == "v1" and c.weight_version == "default"
     b.hang = {"/generate"}            # b's node is about to vanish with this request
     box = {}

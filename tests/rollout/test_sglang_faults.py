@@ -8,8 +8,8 @@ import zipfile
 from aiohttp import web
 import pytest
 
-from rstar_jax.rollout import sglang_engine as se
-from rstar_jax.rollout import sglang_wire as wire
+from rstar_jax.rollout.sglang import engine as se
+from rstar_jax.rollout.sglang import wire
 from rstar_jax.rollout.engine import GenerationRequest
 from tests.rollout import conftest
 from tests.rollout.test_sglang_engine import FAST, REQ, FakeServer, good_reply, run

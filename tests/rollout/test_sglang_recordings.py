@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rstar_jax.rollout import sglang_wire as wire
+from rstar_jax.rollout.sglang import wire
 from rstar_jax.rollout.engine import GenerationRequest
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -5,7 +5,7 @@ import os
 from flax import nnx
 
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rollout import weight_sync
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from rstar_jax.model import qwen3
-from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import train_step as ts
 from rstar_jax.sft import packing
 from rstar_jax.sft import train_step as sft_ts

@@ -1,11 +1,11 @@
 """MetricsWriter.truncate_after: what a resumed (or restarted) run keeps of the file."""
 import json
 
-from rstar_jax import metrics
+from rstar_jax import metrics_writer
 
 
 def test_truncate_keeps_rows_up_to_the_step_and_drops_a_torn_line(tmp_path):
-  w = metrics.MetricsWriter(str(tmp_path), "rl", tensorboard=False)
+  w = metrics_writer.MetricsWriter(str(tmp_path), "rl", tensorboard=False)
   for step in (1, 2, 3):
     w.write(step, {"loss": float(step)})
   with open(w.path, "a") as f:

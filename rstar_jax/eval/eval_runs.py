@@ -12,16 +12,16 @@ import os
 from typing import Any, Sequence
 
 from rstar_jax.data import math_problems
-from rstar_jax.eval import metrics
-from rstar_jax.rl import rollouts
+from rstar_jax.eval import pass_at_k
+from rstar_jax.rl import rollout_collector
 from rstar_jax.rollout import agent_loop
 
 
-def records_from(trajs: Sequence[agent_loop.Trajectory]) -> list[metrics.SampleRecord]:
+def records_from(trajs: Sequence[agent_loop.Trajectory]) -> list[pass_at_k.SampleRecord]:
   out = []
   for t in trajs:
     uid, _, idx = t.uid.rpartition("#")
-    out.append(metrics.SampleRecord(
+    out.append(pass_at_k.SampleRecord(
         problem_uid=uid, sample_index=int(idx), reward=float(t.reward or 0.0),
         # Tool outputs included, as the length budget counts them (the report's response
         # length); the RL metrics' model_tokens_mean counts the model's own tokens.
@@ -48,19 +48,19 @@ def evaluate(engine, tools, proto, tokenizer, problems, cfg: EvalConfig, *,
              stream: Sequence[int], dataset: str = "", model_source: str = "",
              seed: int | None = None, progress: bool = True, journal: str | None = None,
              journal_key: Any = None
-             ) -> tuple[metrics.EvalReport, list[agent_loop.Trajectory]]:
-  """k trajectories per problem through `rl.rollouts.collect`, and their report
+             ) -> tuple[pass_at_k.EvalReport, list[agent_loop.Trajectory]]:
+  """k trajectories per problem through `rl.rollout_collector.collect`, and their report
   (`journal`, `journal_key`: resumable, see `collect`)."""
-  groups = rollouts.collect(engine, tools, proto, tokenizer, problems, k=cfg.k,
-                            agent=cfg.agent, stream=stream, progress=progress,
-                            desc=dataset or "eval", journal=journal, journal_key=journal_key)
+  groups = rollout_collector.collect(engine, tools, proto, tokenizer, problems, k=cfg.k,
+                                     agent=cfg.agent, stream=stream, progress=progress,
+                                     desc=dataset or "eval", journal=journal, journal_key=journal_key)
   trajs = [t for g in groups for t in g]
-  rollouts.raise_if_failed(trajs, f"evaluation {dataset}".strip())
+  rollout_collector.raise_if_failed(trajs, f"evaluation {dataset}".strip())
   ks = sorted({1, cfg.k} | {x for x in (2, 4, 8, 16) if x < cfg.k})
-  report = metrics.compute_report(records_from(trajs), temperature=cfg.agent.temperature,
-                                  top_p=cfg.agent.top_p, ks=ks, dataset=dataset,
-                                  model_source=model_source, seed=seed,
-                                  source_of={p.uid: p.source for p in problems})
+  report = pass_at_k.compute_report(records_from(trajs), temperature=cfg.agent.temperature,
+                                    top_p=cfg.agent.top_p, ks=ks, dataset=dataset,
+                                    model_source=model_source, seed=seed,
+                                    source_of={p.uid: p.source for p in problems})
   return report, trajs
 
 

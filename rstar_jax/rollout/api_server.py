@@ -1,6 +1,6 @@
 """Our rollout server: a JaxEngine behind a subset of SGLang 0.5.23's native HTTP API.
 
-  python -m rstar_jax.rollout.server --hf_dir DIR --port PORT \
+  python -m rstar_jax.rollout.api_server --hf_dir DIR --port PORT \
       [--host 127.0.0.1] [--num_slots 8] [--max_len 1024] [--min_prefill_bucket 16] \
       [--weight_version default] [--compile_cache DIR] [--enable-deterministic-inference]
 
@@ -8,7 +8,7 @@
 (EngineConfig.batch_invariant), reported in /server_info as SGLang reports it.
 
 So JAX rollouts run as separate processes or hosts behind the same client
-(`sglang_engine.SGLangEngine`) as real SGLang servers. Routes and JSON follow SGLang
+(`sglang.engine.SGLangEngine`) as real SGLang servers. Routes and JSON follow SGLang
 0.5.23 (field names, status codes, error bodies); what we do not implement is refused
 with a 400 naming it, never silently ignored:
 
@@ -73,8 +73,8 @@ from aiohttp import web
 from rstar_jax import compile_cache
 from rstar_jax.rollout.engine import GenerationRequest, GenerationResult
 from rstar_jax.rollout.jax_engine import EngineConfig, JaxEngine, settle_future
-from rstar_jax.rollout.sglang_wire import SGLANG_VERSION as SGLANG_API_VERSION  # the one pin
-log = logging.getLogger("rstar_jax.rollout.server")
+from rstar_jax.rollout.sglang.wire import SGLANG_VERSION as SGLANG_API_VERSION  # the one pin
+log = logging.getLogger("rstar_jax.rollout.api_server")
 
 # SGLang 0.5.23's SamplingParams schema (sglang/api/v1/api_types.py, "unknown keys
 # rejected"); the contract test checks this tuple against the wheel's.
@@ -588,7 +588,7 @@ class _ContractError(RequestError):
 @contextlib.contextmanager
 def running_servers(hf_dir: str, count: int, cfg: EngineConfig, *, log_dir: str,
                     startup_timeout_s: float = 600.0) -> Iterator[list[str]]:
-  """`count` servers of `hf_dir` on 127.0.0.1 (`python -m rstar_jax.rollout.server`, one
+  """`count` servers of `hf_dir` on 127.0.0.1 (`python -m rstar_jax.rollout.api_server`, one
   process each, logs `<log_dir>/rollout_server<i>.log`); yields their URLs once every one
   answers /health, kills them at exit. For benchmarks on one machine; a cluster's
   servers are started by `recipe/cluster.py`."""
@@ -606,7 +606,7 @@ def running_servers(hf_dir: str, count: int, cfg: EngineConfig, *, log_dir: str,
       logs.append(os.path.join(log_dir, f"rollout_server{i}.log"))
       with open(logs[-1], "w") as log:
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rstar_jax.rollout.server", "--hf_dir", hf_dir,
+            [sys.executable, "-m", "rstar_jax.rollout.api_server", "--hf_dir", hf_dir,
              "--port", str(port), "--num_slots", str(cfg.num_slots), "--max_len",
              str(cfg.max_len), "--min_prefill_bucket", str(cfg.min_prefill_bucket),
              *(["--enable-deterministic-inference"] if cfg.batch_invariant else [])],

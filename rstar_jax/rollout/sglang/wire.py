@@ -2,9 +2,9 @@
 
 Pinned to SGLang 0.5.23's native API: the routes' bodies and the reading of their replies
 live here (pure functions, no I/O), so that a new SGLang version's changes to them are
-changes to this file. Our own rollout server (`python -m rstar_jax.rollout.server`) speaks
-the same subset. The client that sends these is `sglang_engine.SGLangEngine`
-(`sglang_transport`: HTTP and failover; `sglang_admin`: server checks and weight updates).
+changes to this file. Our own rollout server (`python -m rstar_jax.rollout.api_server`) speaks
+the same subset. The client that sends these is `sglang.engine.SGLangEngine`
+(`sglang.transport`: HTTP; `sglang.admin`: admin calls and server checks).
 
 Requests (`POST /generate`), token-in / token-out:
   {"rid": ..., "input_ids": [...], "return_logprob": true, "logprob_start_len": -1,

@@ -1,9 +1,9 @@
-"""rl.rollouts.run_sync: rollouts from plain code and from inside a running event loop
+"""rl.rollout_collector.run_sync: rollouts from plain code and from inside a running event loop
 (a Jupyter kernel runs one, where asyncio.run refuses)."""
 import asyncio
 import threading
 
-from rstar_jax.rl import rollouts
+from rstar_jax.rl import rollout_collector
 
 
 async def _where():
@@ -12,10 +12,10 @@ async def _where():
 
 
 def test_run_sync_without_and_inside_a_running_loop():
-  assert rollouts.run_sync(_where()) == threading.current_thread().name
+  assert rollout_collector.run_sync(_where()) == threading.current_thread().name
 
   async def kernel_cell():
-    return rollouts.run_sync(_where())   # asyncio.run would raise here
+    return rollout_collector.run_sync(_where())   # asyncio.run would raise here
 
   assert asyncio.run(kernel_cell()).startswith("rollouts")
 
@@ -24,11 +24,11 @@ def test_weight_versions_checked_per_step():
   from rstar_jax.rollout.agent_loop import Trajectory
   ok = [Trajectory(uid="a", prompt_ids=[1], weight_versions=["stage1-step3"]),
         Trajectory(uid="b", prompt_ids=[1])]   # an engine that reports no version
-  rollouts.check_weight_versions(ok, "stage1-step3", "step 3")
+  rollout_collector.check_weight_versions(ok, "stage1-step3", "step 3")
   mixed = ok + [Trajectory(uid="c", prompt_ids=[1], weight_versions=["stage1-step2", "stage1-step3"]),
                 Trajectory(uid="d", prompt_ids=[1], weight_versions=["stage1-step2"])]
   try:
-    rollouts.check_weight_versions(mixed, "stage1-step3", "step 3")
+    rollout_collector.check_weight_versions(mixed, "stage1-step3", "step 3")
   except RuntimeError as e:
     msg = str(e)
   else:

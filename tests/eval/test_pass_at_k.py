@@ -1,11 +1,11 @@
-"""Tests for rstar_jax.eval.metrics: pass@k, tool statistics, the report, the stage-3 filter."""
+"""Tests for rstar_jax.eval.pass_at_k: pass@k, tool statistics, the report, the stage-3 filter."""
 import itertools
 import json
 import math
 
 import pytest
 
-from rstar_jax.eval import metrics as em
+from rstar_jax.eval import pass_at_k as em
 
 
 def _rec(uid, i, reward, tokens=10, calls=0, errors=0, turns=1, truncated=False):

@@ -1,4 +1,4 @@
-"""rl.rollouts.collect with a journal: a collection killed part-way (an evaluation, the
+"""rl.rollout_collector.collect with a journal: a collection killed part-way (an evaluation, the
 stage-3 filter: hours at 14B) resumes with what it had finished and ends with exactly
 the trajectories of an uninterrupted run."""
 import dataclasses
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rstar_jax.rl import rollouts
+from rstar_jax.rl import rollout_collector
 from rstar_jax.rollout import chat
 
 
@@ -40,8 +40,8 @@ def parts(smoke_rl):
 
 def _collect(parts, engine, **kw):
   cfg, ctx, _ = parts
-  return rollouts.collect(engine, ctx.tools, ctx.proto, ctx.tokenizer, ctx.train_problems[:6],
-                          k=3, agent=cfg.stage1.agent, stream=(0, rollouts.EVAL, 7), **kw)
+  return rollout_collector.collect(engine, ctx.tools, ctx.proto, ctx.tokenizer, ctx.train_problems[:6],
+                          k=3, agent=cfg.stage1.agent, stream=(0, rollout_collector.EVAL, 7), **kw)
 
 
 def _flat(groups):
@@ -78,8 +78,8 @@ def test_a_killed_collection_resumes_from_its_journal(parts, tmp_path):
   reworded = chat.ChatProtocol(ctx.tokenizer, dataclasses.replace(
       cfg.chat, system_prompt="Another system prompt."))
   other = _Dies(pool)
-  rollouts.collect(other, ctx.tools, reworded, ctx.tokenizer, ctx.train_problems[:6], k=3,
-                   agent=cfg.stage1.agent, stream=(0, rollouts.EVAL, 7), journal=journal,
+  rollout_collector.collect(other, ctx.tools, reworded, ctx.tokenizer, ctx.train_problems[:6], k=3,
+                   agent=cfg.stage1.agent, stream=(0, rollout_collector.EVAL, 7), journal=journal,
                    journal_key={"model": "b"})
   assert other.started == 18
 
@@ -91,12 +91,12 @@ def test_a_journal_line_keeps_what_evaluation_reads():
                  turns=[(0, 2), (4, 6)], num_tool_calls=1, finish_reason="stop",
                  weight_versions=["v1"], error="")
   t.tool_statuses["ok"] += 1
-  back = rollouts._trajectory_from(json.loads(json.dumps(rollouts._journal_record(3, t)))["t"])
+  back = rollout_collector._trajectory_from(json.loads(json.dumps(rollout_collector._journal_record(3, t)))["t"])
   assert back.response_logprobs == []
   back.response_logprobs = t.response_logprobs
   assert back == t
   for mask in ([], [0], [1], [0, 0, 1], [1, 0, 1, 0]):
-    assert rollouts._unruns(rollouts._runs(mask)) == mask
+    assert rollout_collector._unruns(rollout_collector._runs(mask)) == mask
 
 
 class _SignalsAt(_Dies):

@@ -1,0 +1,1 @@
+"""The SGLang client: wire format, transport, admin calls and checks, the engine."""
