@@ -9,7 +9,7 @@
     a 400 is not retried; a model / vocabulary mismatch is refused at connect; a dead
     server leaves rotation and is probed back; /flush_cache is retried while 400; a
     weight update whose version /model_info does not confirm fails.
-Replies of our real server and whole trajectories are in test_server.py.
+Replies of our real server and whole trajectories are in test_api_server.py.
 """
 from __future__ import annotations
 
