@@ -188,7 +188,8 @@ def test_03_perf_from_the_benchmarks_json(tmp_path):
                 "--batch=2", "--repeats=1", f"--out={out['model']}"],
       "rollout": [sys.executable, "-m", "experiments.benchmarks.bench_rollout", "--preset=tiny",
                   "--batch=2", "--prompt_len=8", "--new_tokens=4", "--repeats=1",
-                  "--trajectories=4", "--slots=4", "--max_len=256", "--max_turns=2", "--max_response_tokens=64",
+                  "--trajectories=4", "--slots=4", "--max_len=256", "--max_turns=2",
+                  "--max_response_tokens=64",
                   "--calls_per_traj=1", "--think_tokens=4", "--sandbox_children=2",
                   # One decode step a call and one request a prefill, each shape compiled
                   # when first met: 19 shapes compiled up front took ~19 s of the test
