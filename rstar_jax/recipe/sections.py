@@ -34,8 +34,8 @@ from rstar_jax.rollout.agent_loop import AgentConfig
 from rstar_jax.rollout.backends import RolloutConfig
 from rstar_jax.rollout.chat import ChatConfig
 from rstar_jax.rollout.jax_engine import EngineConfig
-from rstar_jax.rollout.sglang.transport import ClientConfig
 from rstar_jax.rollout.sandbox_client import ToolsConfig
+from rstar_jax.rollout.sglang.transport import ClientConfig
 from rstar_jax.rollout.weight_sync import WeightSyncConfig
 from rstar_jax.sharding import MeshConfig
 from rstar_jax.train.step import StepConfig
