@@ -20,8 +20,7 @@ import pytest  # noqa: E402
 
 # Skips against tests/skip_allowlist.txt (fails the session under CI=true): see the module.
 from tests.skip_policy import (pytest_collectreport,  # noqa: E402,F401
-                               pytest_configure, pytest_runtest_logreport,
-                               pytest_terminal_summary)
+                               pytest_runtest_logreport, pytest_terminal_summary)
 from tests import skip_policy  # noqa: E402
 
 # tests/test_multihost.py's gloo test: its two processes, started when collection ends.
@@ -51,6 +50,33 @@ def pytest_sessionstart(session):
     pytest.exit(f"RSTAR_TEST_XLA_FLAGS={flags!r} does not change this host's rounding "
                 "(tests.rounding_probe gives the same bits): pick another flag "
                 "(docs/testing.md)", returncode=4)
+
+
+# Test files that run longest, started first. Under `-n 2 --dist loadfile` a file runs
+# whole on one worker, and xdist hands files out in queue order: a file of ~20 minutes
+# that came last would run alone at the end while the other worker idles.
+LONGEST_FILES_FIRST = ("tests/test_rehearsal.py",)
+
+
+def pytest_configure(config):
+  skip_policy.pytest_configure(config)
+  # xdist otherwise reorders files by their number of tests, which says nothing about
+  # their time; pytest_collection_modifyitems puts LONGEST_FILES_FIRST at the front.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def _file_order(items) -> list:
+  """LONGEST_FILES_FIRST, then the other files by number of tests, most first (xdist's
+  own order); the order within a file is kept."""
+  counts: dict[str, int] = {}
+  for it in items:
+    path = it.nodeid.split("::", 1)[0]
+    counts[path] = counts.get(path, 0) + 1
+  first = {p: i for i, p in enumerate(LONGEST_FILES_FIRST)}
+  files = sorted(counts, key=lambda p: (first.get(p, len(first)), -counts[p]))
+  rank = {p: i for i, p in enumerate(files)}
+  return sorted(items, key=lambda it: rank[it.nodeid.split("::", 1)[0]])
 
 
 def pytest_addoption(parser):
@@ -86,8 +112,10 @@ def _commit() -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-  """Under CI=true (or --rotate-slow), ROTATING_SLOW_PER_RUN of the [rotating] slow
-  tests lose their slow mark before `-m "not slow"` deselects, so they run."""
+  """Files in _file_order's order; under CI=true (or --rotate-slow), ROTATING_SLOW_PER_RUN
+  of the [rotating] slow tests lose their slow mark before `-m "not slow"` deselects, so
+  they run."""
+  items[:] = _file_order(items)
   if not (os.environ.get("CI") == "true" or config.getoption("--rotate-slow")):
     return
   import fnmatch

@@ -7,8 +7,9 @@ process layout, mesh and backends with tiny sizes. SFT runs through
 `sbatch experiments/slurm/rstar2_14b_sft.sbatch` (4 tasks), then
 `sbatch experiments/slurm/rstar2_14b.sbatch` with only its environment variables set
 runs RL stages 1-3 and the evaluation. Nothing is mocked: SLURM signals, requeues and
-kills for real. The time-limit and the kill rehearsals take ~4 minutes each on 2 cores
-and are marked slow; the plain one runs in CI.
+kills for real. The same rehearsal also runs through experiments.launch_cluster on a
+real Ray head at 127.0.0.1. Every rehearsal here runs in CI: the file takes ~15-20
+minutes on 2 cores, so tests/conftest.py starts it first (LONGEST_FILES_FIRST).
 """
 import json
 import os
@@ -23,6 +24,10 @@ import tempfile
 import pytest
 
 from experiments import local_slurm
+
+# A hang guard, not a bound: each requeue restarts the servers and the trainer's four
+# processes (~2 min on a busy 2-core host), and a run may be requeued more than once.
+REHEARSAL_TIMEOUT = pytest.mark.timeout(1800)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("slurmctld") is None or shutil.which("slurmd") is None or os.geteuid() != 0,
@@ -58,6 +63,7 @@ def _check_run(r):
   assert "pass@1" in r["log"] and r["table"]
 
 
+@REHEARSAL_TIMEOUT   # it bears the module's SFT and uninterrupted rehearsal
 def test_the_batch_script_runs_sft_rl_and_eval_on_a_real_slurm(cluster, straight):
   d, shared = cluster
   _check_run(straight)
@@ -116,7 +122,7 @@ def test_a_config_error_in_the_trainer_ends_the_job_failed_without_a_requeue(clu
   assert "requeued in" not in log and "restart 1" not in log, log[-5000:]
 
 
-@pytest.mark.slow
+@REHEARSAL_TIMEOUT
 def test_the_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_table(
     cluster, straight):
   r = local_slurm.rehearse(*cluster, interrupt="signal")
@@ -135,7 +141,7 @@ def test_the_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_tabl
   _same_table(r, straight)
 
 
-@pytest.mark.slow
+@REHEARSAL_TIMEOUT
 def test_a_killed_trainer_task_is_requeued_and_resumes_to_the_same_table(cluster, straight):
   r = local_slurm.rehearse(*cluster, interrupt="kill")
   _check_run(r)
@@ -181,7 +187,7 @@ def _stop_by_environ(marker: str) -> list[int]:
   return found
 
 
-@pytest.mark.slow
+@REHEARSAL_TIMEOUT
 def test_the_same_rehearsal_through_launch_cluster_on_a_local_ray_cluster(cluster, straight,
                                                                          tmp_path):
   """experiments.launch_cluster with the overlay's :cluster fleet (4 sandbox servers, 4 of
