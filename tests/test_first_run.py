@@ -34,3 +34,18 @@ def test_pyproject_states_the_python_this_runs_on():
   assert sys.version_info >= (3, 11)
   # The requirements files stay the one source of the environment's exact pins.
   assert "dependencies" not in project
+
+
+def test_the_readme_s_first_run_after_installing_is_the_smoke_recipe_then_the_full_one():
+  """A reader's first command after `pip install` is the one-minute smoke run, then the
+  full recipe; both are commands tests/test_docs.py checks (module, flags, config keys)."""
+  from tests import test_docs
+  cmds = test_docs._commands("README.md")
+  first = cmds.index("pip install -r requirements.txt")
+  smoke, full = cmds[first + 1], cmds[first + 2]
+  recipe = "python -m experiments.recipe --config experiments/configs/toy.py"
+  assert smoke.startswith(recipe + ":smoke "), cmds
+  assert full.startswith(recipe + " "), cmds
+  for cmd in (smoke, full):
+    assert ("README.md", cmd) in test_docs._cases()
+    test_docs._check(cmd, "README.md")

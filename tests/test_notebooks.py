@@ -1,8 +1,9 @@
 """The notebooks (notebooks/*.ipynb) run headless with papermill on tiny inputs built
 here: each has a cell tagged `parameters` that papermill overrides, and any error in
-any cell fails the test. Inputs: a sweep directory written through
+any cell fails the test. Inputs: none for the quickstart (00 runs the smoke recipe into a
+fresh work directory, as from a fresh clone), a sweep directory written through
 rstar_jax.recipe.sweep_points' own writers (01, 05), a random tiny toy policy with toy
-traces (02, 04), and the JSON of the three benchmarks run at tiny sizes (03)."""
+traces (02), and the JSON of the three benchmarks run at tiny sizes (03)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,7 +21,7 @@ from tests import toy_fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
-NAMES = ["01_roc_ablation", "02_entropy", "03_sandbox_and_engine_perf", "04_quickstart",
+NAMES = ["00_quickstart", "01_roc_ablation", "02_entropy", "03_sandbox_and_engine_perf",
          "05_async_ablation"]
 
 
@@ -168,10 +169,18 @@ def test_02_entropy_on_a_tiny_policy(toy_policy, tmp_path):
   assert "reflection share of the selected" in text
 
 
-def test_04_quickstart_generates_with_the_sandbox_and_scores(toy_policy, tmp_path):
-  hf_dir, _ = toy_policy
-  nb = _run("04_quickstart", tmp_path, hf_dir=hf_dir, num_problems=2, samples_per_problem=2)
+def test_00_quickstart_runs_from_a_fresh_work_directory(tmp_path):
+  """No prior run, no export: the notebook runs the smoke recipe itself, then rolls out
+  the model it trained with the sandbox and scores it."""
+  workdir = tmp_path / "fresh"
+  nb = _run("00_quickstart", tmp_path, workdir=str(workdir), num_problems=2,
+            samples_per_problem=2)
   text = _text(nb)
+  assert "$ python -m experiments.recipe --config experiments/configs/toy.py:smoke" in text
+  assert "Evaluation: final (4 problems, 8 samples)" in text and "pass@1" in text
+  assert os.path.isdir(workdir / "stage1" / "export")
+  assert "step 1: reward_mean" in text   # the RL stage's rows, and their plot
+  assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))
   assert "'status': 'ok', 'stdout': '120\\n'" in text   # the call by hand ran in the sandbox
   assert "toy-eval-0" in text and "rewards [" in text and "rollout/reward_mean" in text
   assert " pos     id mask  logprob  token" in text

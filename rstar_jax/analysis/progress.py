@@ -15,6 +15,12 @@ import numpy as np
 KEYS = (("rollout/reward_mean", "accuracy (sampled, all rollouts)"),
         ("rollout/tool_error_rate_correct", "tool-error rate in correct trajectories"),
         ("rollout/model_tokens_mean", "response length (model tokens)"))
+# Shares in [0, 1]: their axis is that range, whatever the values (a flat curve at 0.05
+# on a 0.04-0.06 axis reads as a swing).
+RATES = ("rollout/reward_mean", "rollout/tool_error_rate_correct")
+# Why a panel can have no value at all: printed in it instead of an empty frame.
+NO_VALUE = {"rollout/tool_error_rate_correct":
+            "no step had a correct trajectory that called the tool"}
 
 
 def _value(row: dict[str, Any], key: str) -> float:
@@ -60,6 +66,7 @@ def plot_rl_progress(workdir: str, stages: Sequence[str]) -> str | None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   x = series["step"]
   for ax, (k, title) in zip(axes, KEYS):
@@ -71,7 +78,19 @@ def plot_rl_progress(workdir: str, stages: Sequence[str]) -> str | None:
       ax.text(at, 1.0, f" {stage}", transform=ax.get_xaxis_transform(), fontsize=8,
               va="top", color="gray")
     missing = int(np.isnan(series[k]).sum())
-    ax.set_title(title + (f"\n({missing} step(s) without a value: gaps)" if missing else ""))
+    if missing == len(x):   # an empty frame with a made-up axis says nothing: say why
+      ax.text(0.5, 0.5, NO_VALUE.get(k, "no value at any step"), transform=ax.transAxes,
+              ha="center", va="center", wrap=True, color="gray")
+      title += "\n(no value at any step)"
+    elif missing:
+      title += f"\n({missing} step(s) without a value: gaps)"
+    ax.set_title(title)
+    if k in RATES:
+      ax.set_ylim(-0.03, 1.03)
+    elif not np.isnan(series[k]).all():
+      ax.set_ylim(0, max(1.0, float(np.nanmax(series[k]))) * 1.05)   # lengths from 0
+    ax.set_xlim(x.min() - 0.5, x.max() + 0.5)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
   fig.tight_layout()
