@@ -9,6 +9,8 @@ running cluster (`--config.cluster.ray_address=auto`). Run the toy recipe's SFT 
 
 The 14B run's fleet is not restated here: `experiments/configs/rstar2_agent_14b.py:cluster`
 builds it from that config's one layout (docs/guides/cluster.md).
+
+Result and wall time: not measured yet (no recorded run of this config).
 """
 import ml_collections
 

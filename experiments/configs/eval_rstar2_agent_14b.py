@@ -10,6 +10,8 @@ config.eval is the report's protocol (rstar_jax/eval/suite.py, PROTOCOLS["report
 response for --config.rollout.backend=jax (the in-process engine: slow at 14B, for checks).
 config.data and config.tokenizer are not used by --suite: the benchmarks come from
 --benchmarks, the tokenizer from --hf_dir.
+
+Result and wall time: not measured yet (it needs a GPU node and the released checkpoint).
 """
 from experiments.configs import rstar2_agent_14b
 from rstar_jax.recipe import sections

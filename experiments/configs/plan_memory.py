@@ -3,10 +3,13 @@ r"""python -m experiments.plan_memory --config=experiments/configs/plan_memory.p
 Ahead-of-time memory plan of the Qwen3-14B GRPO train step on fake-device meshes: by
 default the 14B layout's trainer mesh (fsdp 8 x tensor 4 on 32 devices,
 experiments/configs/rstar2_agent_14b.py) and fsdp 8 x tensor 8 (all 64 devices training,
-as a colocated layout would). Every case of the Cartesian product of the list fields
-below is compiled, one at a time (3-10 s each on a 2-core machine, measured; the default
-4 cases take ~35 s). For the 14B config's own shapes per stage (micro-batches, KL
-reference, the batch length capped at rollout.engine.max_len) run
+as a colocated layout would). Result (docs/results.md: 2026-11-24, commit efa4ed3, with
+--config.micro_batch=1,2, on a 2-core CPU host; the figures do not depend on its speed):
+fsdp 64 20.04 GB per device (8K tokens, mb 1), fsdp 8 x tensor 8 16.59 GB. Every case
+of the Cartesian product of the list fields below is compiled, one at a time (3-10 s each
+on a 2-core machine, measured; the default 4 cases take ~35 s). For the 14B config's own
+shapes per stage (micro-batches, KL reference, the batch length capped at
+rollout.engine.max_len) run
 `python -m experiments.preflight --config experiments/configs/rstar2_agent_14b.py`. E.g.
 
   python -m experiments.plan_memory --config=experiments/configs/plan_memory.py \

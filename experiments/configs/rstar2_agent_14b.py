@@ -17,6 +17,10 @@ The layout is stated once, here (LAYOUT, TENSOR, RL_SEQS_PER_SHARD): the recipe'
 and micro-batches below follow from it, the `:layout` variant is it as a section (what
 `python -m experiments.preflight --config experiments/configs/rstar2_agent_14b.py` checks
 and `--print_layout` hands the batch script), `:cluster` is launch_cluster's fleet.
+
+Result and wall time of the run: not measured yet (it has not run on accelerators). Its
+preflight (docs/results.md: 2026-11-28, commit 7654b61, a 2-core AMD EPYC host, 9 s of CPU):
+the layout fits, XLA:CPU peak per device SFT 20.0 GB, RL 80.6 GB of 172.8 usable.
 """
 import ml_collections
 

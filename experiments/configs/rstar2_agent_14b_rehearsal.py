@@ -18,6 +18,11 @@ Variants: "" the batch script's run (RL and evaluation from --config.model.hf_di
 SFT export, whose tokenizer it reads: --config.tokenizer.path); "sft" the SFT stage from
 a random tiny model with the toy tokenizer trained on the spot; "layout" and "cluster"
 as the 14B file's (experiments.preflight, experiments.launch_cluster).
+
+Result (docs/guides/cluster.md, 2026-11-28, a 2-core AMD EPYC VM shared with other test
+runs, load 6-12): SFT 61 steps, loss 6.6 -> 0.48, in 5m32s; the uninterrupted `sbatch`
+run of stages 1-3 and the final table in 2m59s; a time-limit requeue and a killed trainer
+task each ended with the same metrics bit for bit (4m00s, 7m10s).
 """
 import ml_collections
 

@@ -19,6 +19,11 @@ Points (`get_sweep`):
   g_only    plain GRPO with G rollouts (half the sampling compute).
 G is the variant's `rl.downsample.group_size`: 4 (also in the `:smoke` variant, toy.py's
 smoke run, to try the sweep end to end).
+
+Result (docs/results.md, "RoC ablation": 2026-11-23, commit c5ee04b, a fast host, 3 seeds
+an arm): tool errors in correct trajectories RoC 4.4 +- 0.3%, uniform 10.1 +- 3.6%, g_only
+9.7 +- 5.6%; pass@1 76.9 / 77.9 / 78.8% (within the spread). Wall time: not recorded (9
+runs of 40 RL steps and an evaluation each).
 """
 
 from experiments.configs import toy
