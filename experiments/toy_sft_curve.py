@@ -42,6 +42,7 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
+  from rstar_jax.model import hf_io
   from rstar_jax.recipe import stages
   from rstar_jax.data import data_config, toy_task
 
@@ -94,7 +95,7 @@ def main(argv):
 
     trainer.run(progress=False, on_step=probe)
     if _SAVE.value:
-      stages.hf_io.save_hf(trainer.model(), _SAVE.value)
+      hf_io.save_hf(trainer.model(), _SAVE.value)
       ctx.tokenizer.save(_SAVE.value)
     trainer.close()
 

@@ -561,9 +561,9 @@ def test_seed_table_counts_only_finished_points(tmp_path):
       with open(os.path.join(p.workdir, "eval_final.json"), "w") as f:
         json.dump({"pass_at_1": 0.8 if p.overrides["m"] == "roc" else 0.1 * p.overrides["seed"]},
                   f)
-  outs = [sweep_runner.Outcome(pts[0], "skipped"), sweep_runner.Outcome(pts[1], "done"),
-          sweep_runner.Outcome(pts[2], "interrupted"), sweep_runner.Outcome(pts[3], "failed"),
-          sweep_runner.Outcome(pts[4], "failed")]
+  outs = [sweep_points.Outcome(pts[0], "skipped"), sweep_points.Outcome(pts[1], "done"),
+          sweep_points.Outcome(pts[2], "interrupted"), sweep_points.Outcome(pts[3], "failed"),
+          sweep_points.Outcome(pts[4], "failed")]
   md = sweep_results.write_tables(str(tmp_path), pts, outs)
   grouped = {g["group"]: g for g in csv.DictReader(open(tmp_path / "results_seeds.csv"))}
   roc, u = grouped["m=roc"], grouped["m=u"]
@@ -848,8 +848,8 @@ def test_seed_table_without_a_seed_axis_names_the_points_left_out(tmp_path):
   pts = sweep_points.make_points([{"m": "roc"}, {"m": "u"}], str(tmp_path))
   _write_point(pts[0], {"pass_at_1": 0.5})
   md = sweep_results.write_tables(str(tmp_path), pts,
-                                  [sweep_runner.Outcome(pts[0], "done"),
-                                   sweep_runner.Outcome(pts[1], "not started")])
+                                  [sweep_points.Outcome(pts[0], "done"),
+                                   sweep_points.Outcome(pts[1], "not started")])
   assert "| m=roc | roc |  | 1 |  | 0.5 |" in md, md
   assert "| m=u | u |  | 0 | m=u (not started) | n/a |" in md, md
   assert "None" not in md
@@ -898,7 +898,7 @@ def test_tables_say_which_stages_had_no_learning_signal(tmp_path):
       os.makedirs(os.path.join(p.workdir, stage))
       with open(os.path.join(p.workdir, stage, "DONE.json"), "w") as f:
         json.dump({"steps": 3, "no_learning_signal": flag}, f)
-  outcomes = [sweep_runner.Outcome(p, "done", 0, 1.0) for p in pts]
+  outcomes = [sweep_points.Outcome(p, "done", 0, 1.0) for p in pts]
   rows, cols = sweep_results.result_rows(pts, outcomes)
   assert [r.get(sweep_results.NO_SIGNAL_KEY) for r in rows] == ["stage2", "none", None]
   md = sweep_results.write_tables(str(tmp_path), pts, outcomes)

@@ -34,7 +34,7 @@ from experiments.common import roofline
 from experiments.configs import toy
 from rstar_jax import optim
 from rstar_jax.recipe import stages
-from rstar_jax.model import qwen3
+from rstar_jax.model import model_config, qwen3
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
 
@@ -69,9 +69,9 @@ def main(argv: Sequence[str]) -> None:
   rl = cfg.rl
   rows = rl.prompts_per_step * rl.downsample.group_size   # rl.fixed_rows: the most kept
   vocab = cfg.tokenizer.vocab_size
-  qcfg = stages.model_config.get_preset(cfg.model.preset, vocab_size=vocab,
-                                        **{k: v for k, v in stages.model_config.overrides_of(
-                                            cfg.model).items() if k != "vocab_size"})
+  qcfg = model_config.get_preset(cfg.model.preset, vocab_size=vocab,
+                                 **{k: v for k, v in model_config.overrides_of(
+                                     cfg.model).items() if k != "vocab_size"})
   tx = optim.make_optimizer(rl.optimizer)
   batch = _batch(rows, FLAGS.seq, vocab)
   loss_off = dataclasses.replace(rl.loss, kl_coef=0.0)

@@ -13,6 +13,11 @@
   layout   a multi-node run's layout: which devices train, serve rollouts, run sandboxes.
   sections every section dataclass and helper a config file names: the one module
            experiments/configs/*.py import.
+  preflight_checks
+           the cheap part of the launch checks (bytes from shapes, rollout memory): the
+           preflight prints them, the recipe runs them at start.
+  reference
+           generates docs/reference/ (every config field, every metric) and checks it.
 
 Nothing below this package imports it.
 """

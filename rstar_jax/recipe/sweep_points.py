@@ -26,13 +26,9 @@ import re
 import shlex
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-  from rstar_jax.recipe import sweep_runner
-
 
 class SweepError(ValueError):
   """A bad sweep: unknown key, value of the wrong type, duplicate point, bad flag."""
@@ -106,6 +102,17 @@ class Point:
   @property
   def log(self) -> str:
     return os.path.join(self.workdir, LOG_NAME)
+
+
+@dataclasses.dataclass
+class Outcome:
+  point: Point
+  # "done" (ran now), "skipped" (finished before), "failed", "interrupted" (stopped by
+  # SIGINT / SIGTERM: a rerun resumes it), "not started" (the sweep was stopped first).
+  status: str
+  returncode: int | None = None
+  seconds: float = 0.0
+  detail: str = ""
 
 
 def make_points(overrides: Sequence[Mapping[str, Any]], sweep_workdir: str) -> list[Point]:
@@ -208,7 +215,7 @@ def changed_command(point: Point, argv: Sequence[str]) -> str | None:
 # ---- the manifest ------------------------------------------------------------------------
 def write_manifest(sweep_workdir: str, points: Sequence[Point],
                    argv_of: Callable[[Point], Sequence[str]],
-                   outcomes: Sequence[sweep_runner.Outcome] | None = None) -> str:
+                   outcomes: Sequence[Outcome] | None = None) -> str:
   """sweep.json: every point's name, overrides, directory, command and status (what a
   notebook reads to find the runs)."""
   by = {o.point.name: o for o in outcomes or ()}

@@ -11,16 +11,12 @@ import io
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from rstar_jax import jsonl
 from rstar_jax.recipe import sweep_points
-
-if TYPE_CHECKING:
-  from rstar_jax.recipe import sweep_runner
-
 
 # Columns of the tables, from eval_final.json (rstar_jax.eval.pass_at_k.EvalReport).
 EVAL_KEYS = ("pass_at_1", "tool_error_rate_correct", "tool_error_rate", "mean_response_tokens",
@@ -82,7 +78,7 @@ def point_metrics(point: sweep_points.Point) -> dict[str, Any]:
 
 def result_rows(
     points: Sequence[sweep_points.Point],
-    outcomes: Sequence[sweep_runner.Outcome] | None = None
+    outcomes: Sequence[sweep_points.Outcome] | None = None
 ) -> tuple[list[dict[str, Any]], list[str]]:
   """One row per point (name, status, swept keys, metrics) and the metric columns.
 
@@ -200,7 +196,7 @@ def to_csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
 
 
 def write_tables(sweep_workdir: str, points: Sequence[sweep_points.Point],
-                 outcomes: Sequence[sweep_runner.Outcome] | None = None) -> str:
+                 outcomes: Sequence[sweep_points.Outcome] | None = None) -> str:
   """results.csv (one row per point), results_seeds.csv (mean and std over seeds) and
   results.md (both tables) in the sweep work directory; returns the markdown."""
   rows, cols = result_rows(points, outcomes)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import shlex
@@ -20,17 +19,6 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from rstar_jax.recipe import sweep_points
-
-
-@dataclasses.dataclass
-class Outcome:
-  point: sweep_points.Point
-  # "done" (ran now), "skipped" (finished before), "failed", "interrupted" (stopped by
-  # SIGINT / SIGTERM: a rerun resumes it), "not started" (the sweep was stopped first).
-  status: str
-  returncode: int | None = None
-  seconds: float = 0.0
-  detail: str = ""
 
 
 # Exit statuses of a child stopped by Ctrl-C or SIGTERM (a preemption): the recipe's
@@ -165,7 +153,7 @@ def _point_preexec(parent: int) -> Callable[[], None]:
 
 
 def _run_one(point: sweep_points.Point, argv: Sequence[str], env: Mapping[str, str] | None,
-             cwd: str | None, stop: Stop) -> Outcome:
+             cwd: str | None, stop: Stop) -> sweep_points.Outcome:
   os.makedirs(point.workdir, exist_ok=True)
   t0 = time.time()
   with open(point.log, "a") as log:
@@ -176,9 +164,9 @@ def _run_one(point: sweep_points.Point, argv: Sequence[str], env: Mapping[str, s
                         env=None if env is None else dict(env))
     except OSError as e:
       log.write(f"# could not start: {e}\n")
-      return Outcome(point, "failed", None, time.time() - t0, f"could not start: {e}")
+      return sweep_points.Outcome(point, "failed", None, time.time() - t0, f"could not start: {e}")
     if proc is None:
-      return Outcome(point, "not started", None, 0.0,
+      return sweep_points.Outcome(point, "not started", None, 0.0,
                      f"not started ({stop.name} received before it)")
     try:
       rc = proc.wait()
@@ -190,19 +178,20 @@ def _run_one(point: sweep_points.Point, argv: Sequence[str], env: Mapping[str, s
       sig = _signal_name(rc - 128 if rc > 0 else -rc)
       how = (f"saved and exited with status {rc}" if rc > 0 else
              f"killed by {sig} before it could save")
-      return Outcome(point, "interrupted", rc, seconds, f"stopped by {sig} ({how})")
-    return Outcome(point, "failed", rc, seconds, f"exit status {rc}")
+      return sweep_points.Outcome(point, "interrupted", rc, seconds, f"stopped by {sig} ({how})")
+    return sweep_points.Outcome(point, "failed", rc, seconds, f"exit status {rc}")
   sweep_points.write_atomic(os.path.join(point.workdir, sweep_points.DONE_MARKER),
                             json.dumps({"command": list(argv), "overrides": point.overrides,
                                         "returncode": rc, "seconds": round(seconds, 1)},
                                        indent=2, default=str))
-  return Outcome(point, "done", rc, seconds)
+  return sweep_points.Outcome(point, "done", rc, seconds)
 
 
 def run_points(points: Sequence[sweep_points.Point],
                argv_of: Callable[[sweep_points.Point], Sequence[str]], *,
                workers: int = 1, env: Mapping[str, str] | None = None, cwd: str | None = None,
-               log: Callable[[str], None] = print, stop: Stop | None = None) -> list[Outcome]:
+               log: Callable[[str], None] = print, stop: Stop | None = None
+               ) -> list[sweep_points.Outcome]:
   """Runs the unfinished points, up to `workers` at once; a failed point is reported
   with its log and the others go on. Outcomes are in the order of `points`.
 
@@ -212,13 +201,13 @@ def run_points(points: Sequence[sweep_points.Point],
   running point has exited."""
   if workers < 1:
     raise sweep_points.SweepError(f"--workers must be >= 1, got {workers}")
-  outcomes: dict[str, Outcome] = {}
+  outcomes: dict[str, sweep_points.Outcome] = {}
   todo = []
   for p in points:
     marker = sweep_points.finished(p)
     changed = marker and sweep_points.changed_command(p, argv_of(p))
     if marker and not changed:
-      outcomes[p.name] = Outcome(p, "skipped", detail=marker)
+      outcomes[p.name] = sweep_points.Outcome(p, "skipped", detail=marker)
       log(f"[sweep] {p.name}: finished before ({marker}), skipped")
     else:
       if changed:
@@ -230,9 +219,10 @@ def run_points(points: Sequence[sweep_points.Point],
   own = stop is None
   stop = Stop(log) if own else stop
 
-  def one(p: sweep_points.Point) -> Outcome:
+  def one(p: sweep_points.Point) -> sweep_points.Outcome:
     if stop.requested:
-      return Outcome(p, "not started", None, 0.0, f"not started ({stop.name} received before it)")
+      return sweep_points.Outcome(p, "not started", None, 0.0,
+                                  f"not started ({stop.name} received before it)")
     with lock:
       log(f"[sweep] start {p.name} (log: {p.log})")
     out = _run_one(p, argv_of(p), env, cwd, stop)

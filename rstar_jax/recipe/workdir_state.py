@@ -15,21 +15,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 from absl import logging
 
 from rstar_jax import config_utils, distributed
 
-if TYPE_CHECKING:
-  from rstar_jax.recipe import stages
-
+# `cfg` below is a stages.RecipeConfig, typed Any: stages imports this module, and this
+# one reads only the config's workdir and allow_config_change fields and its JSON.
 # The stages that leave a directory <workdir>/<stage>/ (checkpoints, the export,
 # DONE.json), in run order; the final evaluation leaves reports beside them.
 STAGE_DIRS = ("sft", "stage1", "stage2", "stage3")
 
 
-def resolved_json(cfg: stages.RecipeConfig) -> str:
+def resolved_json(cfg: Any) -> str:
   """The text of <workdir>/config.json: the whole resolved config."""
   return json.dumps(config_utils.as_plain(cfg), indent=2)   # field order; schema order kept
 
@@ -129,7 +128,7 @@ def make_workdir(path: str) -> str:
   return workdir
 
 
-def check_workdir(cfg: stages.RecipeConfig) -> tuple[str, str]:
+def check_workdir(cfg: Any) -> tuple[str, str]:
   """Writes the resolved config to <workdir>/config.json; returns the workdir and the
   config file that holds this run's config.
 

@@ -17,7 +17,7 @@ from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import roc
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import chat
-from rstar_jax.rollout.sglang import engine as se
+from rstar_jax.rollout.sglang.transport import ClientConfig
 from rstar_jax.rollout.agent_loop import AgentConfig
 from rstar_jax.rollout.backends import RolloutConfig, build_engine_pool
 from rstar_jax.rollout.weight_sync import WeightSyncConfig
@@ -25,7 +25,7 @@ from rstar_jax.train.step import StepConfig
 
 from tests.rollout.conftest import ServerProcess
 
-CLIENT = se.ClientConfig(backoff_s=0.05, backoff_max_s=0.2, retries=2, probe_interval_s=0.2,
+CLIENT = ClientConfig(backoff_s=0.05, backoff_max_s=0.2, retries=2, probe_interval_s=0.2,
                          load_poll_s=0.2)
 STEPS = 3
 
