@@ -22,7 +22,7 @@ from tests import toy_fixtures
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
 NAMES = ["00_quickstart", "01_roc_ablation", "02_entropy", "03_sandbox_and_engine_perf",
-         "05_async_ablation"]
+         "04_async_ablation"]
 
 
 def _run(name: str, out_dir, **parameters) -> nbformat.NotebookNode:
@@ -98,7 +98,7 @@ def test_01_roc_ablation_reads_a_sweep(tmp_path):
   assert "err change" in text
 
 
-def test_05_async_ablation_reads_a_sweep(tmp_path):
+def test_04_async_ablation_reads_a_sweep(tmp_path):
   key = "rl.async_rollouts.max_staleness"
   inflight = "rl.async_rollouts.weight_updates"
   pts = sweep_points.make_points(
@@ -126,7 +126,7 @@ def test_05_async_ablation_reads_a_sweep(tmp_path):
                                              {0: 0.0625, 1: 0.125, 2: 0.25}[k]),
                  "mean_response_tokens": 55.0, "pass_at_k": {"1": 0.7, "4": 0.9}}, f)
   sweep_points.write_manifest(str(tmp_path / "sweep"), pts, lambda p: ["python", "-m", "x"])
-  text = _text(_run("05_async_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3))
+  text = _text(_run("04_async_ablation", tmp_path, sweep_dir=str(tmp_path / "sweep"), smooth=3))
   assert "11 points in" in text and "not finished" in text
   # Final evaluation per arm: mean ± std over the finished seeds, "(n=k)" where one is missing.
   assert "| k=0 | 0 1 2 | 3 |  | 0.72 ± 0.02 | 0.0625 ± 0 (n=2) |" in text, text
