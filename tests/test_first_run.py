@@ -37,13 +37,15 @@ def test_pyproject_states_the_python_this_runs_on():
 
 
 def test_the_readme_s_first_run_after_installing_is_the_smoke_recipe_then_the_full_one():
-  """A reader's first command after `pip install` is the one-minute smoke run, then the
-  full recipe; both are commands tests/test_docs.py checks (module, flags, config keys)."""
+  """A reader's first command installs and runs the one-minute smoke run, the next
+  installs and runs the full recipe (the main job, one command from a fresh machine);
+  both are commands tests/test_docs.py checks (module, flags, config keys)."""
   from tests import test_docs
   cmds = test_docs._commands("README.md")
-  first = cmds.index("pip install -r requirements.txt")
-  smoke, full = cmds[first + 1], cmds[first + 2]
-  recipe = "python -m experiments.recipe --config experiments/configs/toy.py"
+  install = "pip install -r requirements.txt && "
+  first = next(i for i, c in enumerate(cmds) if c.startswith(install))
+  smoke, full = cmds[first], cmds[first + 1]
+  recipe = install + "python -m experiments.recipe --config experiments/configs/toy.py"
   assert smoke.startswith(recipe + ":smoke "), cmds
   assert full.startswith(recipe + " "), cmds
   for cmd in (smoke, full):
