@@ -20,10 +20,12 @@ Points (`get_sweep`):
 G is the variant's `rl.downsample.group_size`: 4 (also in the `:smoke` variant, toy.py's
 smoke run, to try the sweep end to end).
 
-Result (docs/results.md, "RoC ablation": 2026-11-23, commit c5ee04b, a fast host, 3 seeds
-an arm): tool errors in correct trajectories RoC 4.4 +- 0.3%, uniform 10.1 +- 3.6%, g_only
-9.7 +- 5.6%; pass@1 76.9 / 77.9 / 78.8% (within the spread). Wall time: not recorded (9
-runs of 40 RL steps and an evaluation each).
+Result (docs/results.md, "RoC ablation": 2026-11-28, commit 7d8416c, a 2-core AMD EPYC
+family 26 AVX-512 host, from the README main job's SFT export, 3 seeds an arm): tool errors
+in correct trajectories RoC 3.8 +- 2.8%, uniform 18.1 +- 1.7%, half-compute GRPO
+13.0 +- 1.0%; pass@1 90.8 / 90.4 / 91.6% (within the spread). 1h59m for the 9 runs of 40
+RL steps and an evaluation each, loaded (load 2-24): an upper bound. Artifacts:
+experiments/results/roc_ablation_epyc-f26-avx512_2026-11-28/.
 """
 
 from experiments.configs import toy
