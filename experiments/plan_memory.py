@@ -264,7 +264,7 @@ def abstract_inputs(case: PlanCase, mesh: jax.sharding.Mesh, tx, rules=sharding.
   def with_sharding(x, s):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
-  state = ts.TrainState(
+  state = core.TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=shard.step),
       params=jax.tree.map(with_sharding, params, shard.params),
       opt_state=jax.tree.map(with_sharding, opt_state, shard.opt_state))
@@ -322,8 +322,8 @@ def plan(case: PlanCase, devices: Sequence[jax.Device] | None = None,
   mesh = sharding.make_mesh(case.mesh_sizes, devices[:case.num_devices])
   tx = optim.make_optimizer(optimizer or optim.OptimizerConfig())
   loss_cfg = dataclasses.replace(loss or losses.LossConfig(), kl_coef=case.kl_coef)
-  step_cfg = ts.StepConfig(micro_batches=case.micro_batches, logprob_chunk=case.logprob_chunk,
-                           compute_entropy=case.compute_entropy)
+  step_cfg = core.StepConfig(micro_batches=case.micro_batches, logprob_chunk=case.logprob_chunk,
+                             compute_entropy=case.compute_entropy)
   graphdef, state, batch, shard, batch_shard = abstract_inputs(case, mesh, tx, rules)
   fn = functools.partial(ts.train_step, graphdef, tx, loss_cfg, step_cfg, 1.0)
   # The state is donated, as make_train_step does: new params/moments reuse its buffers.

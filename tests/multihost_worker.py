@@ -44,6 +44,7 @@ def main():
   from rstar_jax import checkpoint, optim, sharding
   from rstar_jax.model import model_config, hf_io, qwen3
   from rstar_jax.rl import batching, losses, train_step as ts
+  from rstar_jax.train import step as core
 
   assert jax.device_count() == 8, jax.devices()
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -57,11 +58,11 @@ def main():
       for n in (20, 13, 24, 9, 17, 24, 5, 11)]
   batch = batching.build_batch(trajs, rng.randn(8).astype(np.float32), row_multiple=4,
                                length_multiple=8)
-  step_cfg = ts.StepConfig(micro_batches=2, logprob_chunk=16)
+  step_cfg = core.StepConfig(micro_batches=2, logprob_chunk=16)
 
   def run(tx):
     model = qwen3.create_model(cfg, seed=0)
-    graphdef, state, shard = ts.init_train_state(model, tx, mesh)
+    graphdef, state, shard = core.init_train_state(model, tx, mesh)
     step = ts.make_train_step(graphdef, tx, losses.LossConfig(), step_cfg, mesh=mesh,
                               state_shardings=shard, donate=False)
     new, m = step(state, batch)

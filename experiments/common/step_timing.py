@@ -106,17 +106,18 @@ def time_train_step(cfg, mesh, *, batch: dict[str, np.ndarray], steps: int,
   from rstar_jax import distributed, optim, sharding
   from rstar_jax.model import qwen3
   from rstar_jax.rl import losses, train_step as ts
+  from rstar_jax.train import step as core
 
   n, t = batch["input_ids"].shape
   t0 = time.perf_counter()
   model = qwen3.create_model(cfg, seed=seed)
   tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=learning_rate, warmup_steps=0))
-  graphdef, state, shardings = ts.init_train_state(model, tx, mesh)
+  graphdef, state, shardings = core.init_train_state(model, tx, mesh)
   del model
   step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
-                            ts.StepConfig(**dict(dict(micro_batches=micro_batches,
-                                                      logprob_chunk=min(logprob_chunk, t)),
-                                                 **(step_overrides or {}))),
+                            core.StepConfig(**dict(dict(micro_batches=micro_batches,
+                                                        logprob_chunk=min(logprob_chunk, t)),
+                                                   **(step_overrides or {}))),
                             mesh=mesh, state_shardings=shardings, donate=True)
   # Compiled once, ahead of time, and called directly: `step(...)` after `step.lower`
   # would compile the program a second time (jit's cache is not filled by AOT).

@@ -30,14 +30,9 @@ from typing import Any
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
 
-from rstar_jax.answers import (extract_boxed, final_answer, normalize_answer,  # noqa: F401
-                               parse_integer, strip_enclosing_braces)
+from rstar_jax.answers import final_answer, parse_integer, strip_enclosing_braces
 
 __all__ = [
-    "extract_boxed",
-    "final_answer",
-    "normalize_answer",
-    "parse_integer",
     "is_correct",
     "compute_reward",
 ]

@@ -48,7 +48,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rstar_jax.answers import count_answer_tags  # noqa: F401  (re-exported)
 from rstar_jax.registry import Registry
 from rstar_jax.rollout import stats as stats_lib
 
@@ -59,7 +58,6 @@ __all__ = [
     "error_penalty",
     "format_penalty",
     "total_penalty",
-    "count_answer_tags",
     "sample_without_replacement",
     "register",
     "get",
@@ -79,7 +77,7 @@ class RolloutStats:
     num_tool_errors: calls whose structured sandbox status was an error, a timeout, or a
       tool-call parse failure.
     num_answer_tags: complete `<answer>...</answer>` blocks in the model-written text
-      (see `count_answer_tags`).
+      (see `rstar_jax.answers.count_answer_tags`).
     num_turns: assistant turns, the first one included (>= 1).
   """
   reward: float

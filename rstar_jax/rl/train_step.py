@@ -31,8 +31,7 @@ import optax
 from rstar_jax import sharding
 from rstar_jax.model import fused_head
 from rstar_jax.rl import losses
-from rstar_jax.train.step import (StepConfig, TrainState, init_train_state,  # noqa: F401
-                                  jit_eval, jit_step, split_micro)
+from rstar_jax.train.step import StepConfig, TrainState, jit_eval, jit_step, split_micro
 from rstar_jax.train import step as core
 
 BATCH_KEYS = ("input_ids", "target_ids", "attention_mask", "loss_mask", "old_logp",

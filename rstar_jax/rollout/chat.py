@@ -49,7 +49,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from rstar_jax.answers import ANSWER_CLOSE, ANSWER_OPEN, count_answer_tags  # noqa: F401
+from rstar_jax.answers import count_answer_tags
 from rstar_jax.model import tokenizer as tokenizer_lib
 # Statuses of a sandbox result: the sandbox service's contract (sandbox/ has no JAX).
 from sandbox.schema import STATUSES as TOOL_STATUSES

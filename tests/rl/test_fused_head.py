@@ -21,6 +21,7 @@ from rstar_jax.model import fused_head, qwen3
 from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import batching, losses, train_step as ts
 from rstar_jax.rl import trainer as rl_trainer
+from rstar_jax.train import step as core
 
 V = 67   # a vocabulary size no other dimension of these models has (the matmul count)
 CFG = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -254,9 +255,9 @@ def _batch(n=7, seed=0, with_ref=False, with_prox=False):
 def _step(loss_cfg, batch, *, mesh=None, model_cfg=CFG, temperature=1.0, **step_opts):
   model = qwen3.create_model(model_cfg, seed=3)
   tx = _grads_tx()
-  graphdef, state, shard = ts.init_train_state(model, tx, mesh)
+  graphdef, state, shard = core.init_train_state(model, tx, mesh)
   step = ts.make_train_step(graphdef, tx, loss_cfg,
-                            ts.StepConfig(logprob_chunk=8, **step_opts),
+                            core.StepConfig(logprob_chunk=8, **step_opts),
                             temperature=temperature, mesh=mesh, state_shardings=shard,
                             donate=False)
   new_state, metrics = step(state, batch)
@@ -373,13 +374,13 @@ def nonlinear_aggregation():
 
 def test_an_aggregation_not_linear_in_the_token_losses_is_refused(nonlinear_aggregation):
   loss_cfg = losses.LossConfig(aggregation=nonlinear_aggregation)
-  step_cfg = ts.StepConfig(fused_head_loss=True)
+  step_cfg = core.StepConfig(fused_head_loss=True)
   with pytest.raises(ValueError, match=r"RLConfig.step.fused_head_loss .*"
                      r"aggregation='test-softmax-weighted' is not registered as linear"):
     rl_trainer.RLConfig(loss=loss_cfg, step=step_cfg)
   rl_trainer.RLConfig(loss=loss_cfg)   # the unfused head takes it
   model = qwen3.create_model(CFG, seed=0)
-  graphdef, _, _ = ts.init_train_state(model, optax.sgd(0.1))
+  graphdef, _, _ = core.init_train_state(model, optax.sgd(0.1))
   with pytest.raises(ValueError, match="set StepConfig.fused_head_loss=False"):
     ts.make_train_step(graphdef, optax.sgd(0.1), loss_cfg, step_cfg)
   with pytest.raises(ValueError, match="not registered as linear"):

@@ -10,6 +10,7 @@ from packaging.requirements import Requirement  # a dependency of pytest
 from packaging.utils import canonicalize_name
 import pytest
 
+from rstar_jax import answers
 from rstar_jax.rl import rewards
 
 
@@ -119,29 +120,29 @@ EXTRACTION_CASES = [
 
 @pytest.mark.parametrize("text,expected", EXTRACTION_CASES)
 def test_extract_boxed(text, expected):
-  assert rewards.extract_boxed(text) == expected
+  assert answers.extract_boxed(text) == expected
 
 
 def test_answer_tag_takes_precedence_over_reasoning():
   text = _resp("The answer is 5.", reasoning="maybe \\boxed{7}")
-  assert rewards.final_answer(text) is None  # boxed only in the reasoning: no answer
+  assert answers.final_answer(text) is None  # boxed only in the reasoning: no answer
   text = _resp("\\boxed{5}", reasoning="maybe \\boxed{7}")
-  assert rewards.final_answer(text) == "5"
+  assert answers.final_answer(text) == "5"
   # A boxed value after </answer> does not count either.
-  assert rewards.final_answer(_resp("\\boxed{5}") + " \\boxed{6}") == "5"
+  assert answers.final_answer(_resp("\\boxed{5}") + " \\boxed{6}") == "5"
 
 
 def test_last_answer_block_wins():
   text = "<answer>\\boxed{1}</answer> wait <answer>\\boxed{2}</answer>"
-  assert rewards.final_answer(text) == "2"
+  assert answers.final_answer(text) == "2"
 
 
 def test_unclosed_answer_tag_reads_to_end():
-  assert rewards.final_answer("<reason>r</reason><answer>so \\boxed{8}") == "8"
+  assert answers.final_answer("<reason>r</reason><answer>so \\boxed{8}") == "8"
 
 
 def test_no_answer_tag_uses_whole_response():
-  assert rewards.final_answer("work ... \\boxed{3} ... so \\boxed{11}.") == "11"
+  assert answers.final_answer("work ... \\boxed{3} ... so \\boxed{11}.") == "11"
 
 
 @pytest.mark.parametrize("text,ref,truncated,expected", [
@@ -185,13 +186,13 @@ def test_redundant_braces_score_full_reward(text, ref):
     ("{{1}{2}}", "{1}{2}"),
 ])
 def test_normalize_answer_strips_only_enclosing_braces(answer, expected):
-  assert rewards.normalize_answer(answer) == expected
+  assert answers.normalize_answer(answer) == expected
 
 
 def test_an_answer_of_more_digits_than_python_converts_is_not_an_integer():
   """int() refuses > 4300 digits: the reward raised and stopped the whole step."""
   huge = "1" * 5000
-  assert rewards.parse_integer(huge) is None
+  assert answers.parse_integer(huge) is None
   assert rewards.is_correct(huge, "12") is False
 
 
@@ -201,20 +202,21 @@ def test_a_long_run_of_spacing_commands_after_a_digit_is_fast():
   this run of 40 ends or pytest-timeout ends it, however loaded the host (no tighter bound).
   A subprocess, because the re module cannot be interrupted in-process."""
   code = textwrap.dedent(r"""
+      from rstar_jax import answers
       from rstar_jax.rl import rewards
       for sep in (" \\, ", "~ ", " \\ \\; "):
         run = "1" + sep * 40 + "x"
-        assert rewards.normalize_answer(run).startswith("1")
+        assert answers.normalize_answer(run).startswith("1")
         assert rewards.compute_reward("\\boxed{" + run + "}", "1", truncated=False) == 0.0
       print("ok")""")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=pathlib.Path(__file__).parents[2])
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-  assert rewards.normalize_answer("1 \\, \\, 000") == "1000"   # still a thousands gap
+  assert answers.normalize_answer("1 \\, \\, 000") == "1000"   # still a thousands gap
 
 
 def test_brace_set_answers_are_not_integers():
-  assert rewards.parse_integer("\\{204\\}") is None
+  assert answers.parse_integer("\\{204\\}") is None
   assert rewards.is_correct("{1}{2}", "12") is False
 
 

@@ -4,6 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
+from rstar_jax import answers
 from rstar_jax.rl import roc
 from rstar_jax.rl.roc import DownsampleConfig, RolloutStats
 
@@ -60,15 +61,15 @@ def test_penalties(stats, p_err, p_format):
 
 
 def test_count_answer_tags():
-  assert roc.count_answer_tags("no tags") == 0
-  assert roc.count_answer_tags("<answer>1</answer>") == 1
-  assert roc.count_answer_tags("<answer>1</answer> x <answer>2</answer>") == 2
-  assert roc.count_answer_tags("<answer>1</answer> <answer>unclosed") == 1
-  assert roc.count_answer_tags("</answer><answer>") == 0
+  assert answers.count_answer_tags("no tags") == 0
+  assert answers.count_answer_tags("<answer>1</answer>") == 1
+  assert answers.count_answer_tags("<answer>1</answer> x <answer>2</answer>") == 2
+  assert answers.count_answer_tags("<answer>1</answer> <answer>unclosed") == 1
+  assert answers.count_answer_tags("</answer><answer>") == 0
   # One complete block, however many opening tags it repeats: the count goes on after
   # the block's close, not inside it.
-  assert roc.count_answer_tags("<answer><answer>1</answer>") == 1
-  assert roc.count_answer_tags("<answer>a <answer>b</answer> <answer>c</answer>") == 2
+  assert answers.count_answer_tags("<answer><answer>1</answer>") == 1
+  assert answers.count_answer_tags("<answer>a <answer>b</answer> <answer>c</answer>") == 2
 
 
 def test_a_draw_of_exactly_zero_never_takes_a_drawn_item():

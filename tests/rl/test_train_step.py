@@ -11,6 +11,7 @@ from rstar_jax import sharding
 from rstar_jax.model import qwen3
 from rstar_jax.model.model_config import Qwen3Config
 from rstar_jax.rl import batching, losses, train_step as ts
+from rstar_jax.train import step as core
 
 CFG = Qwen3Config(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -38,9 +39,9 @@ def _batch(n=8, seed=0):
 
 def _run(micro, tx, mesh=None, batch=None, loss_cfg=losses.LossConfig(), cfg=CFG, **step_opts):
   model = qwen3.create_model(cfg, seed=3)
-  graphdef, state, shard = ts.init_train_state(model, tx, mesh)
+  graphdef, state, shard = core.init_train_state(model, tx, mesh)
   step = ts.make_train_step(graphdef, tx, loss_cfg,
-                            ts.StepConfig(micro_batches=micro, logprob_chunk=8, **step_opts),
+                            core.StepConfig(micro_batches=micro, logprob_chunk=8, **step_opts),
                             mesh=mesh, state_shardings=shard, donate=False)
   new_state, metrics = step(state, batch if batch is not None else _batch())
   return state, new_state, jax.device_get(metrics)
@@ -223,7 +224,7 @@ def test_logprob_fn_returns_rows_in_order():
   model = qwen3.create_model(CFG, seed=3)
   graphdef, params = nnx.split(model, nnx.Param)
   b = _batch(n=8, seed=9)
-  fn = ts.make_logprob_fn(graphdef, ts.StepConfig(micro_batches=4, logprob_chunk=8))
+  fn = ts.make_logprob_fn(graphdef, core.StepConfig(micro_batches=4, logprob_chunk=8))
   got = np.asarray(fn(params, b["input_ids"], b["target_ids"], b["attention_mask"]))
   want = np.asarray(ts.sequence_logprobs(graphdef, params, jnp.asarray(b["input_ids"]),
                                          jnp.asarray(b["target_ids"]),
@@ -242,12 +243,12 @@ def test_one_program_per_shape_whatever_made_the_state(caplog):
   toy recipe ~10 s for every shape, again in every stage."""
   tx = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
   model = qwen3.create_model(CFG, seed=3)
-  graphdef, fresh, _ = ts.init_train_state(model, tx)
+  graphdef, fresh, _ = core.init_train_state(model, tx)
   step = ts.make_train_step(graphdef, tx, losses.LossConfig(),
-                            ts.StepConfig(logprob_chunk=8), donate=False)
+                            core.StepConfig(logprob_chunk=8), donate=False)
   batch = _batch()
   restored = jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), fresh)
-  mixed = ts.TrainState(fresh.step, restored.params, tx.init(fresh.params))
+  mixed = core.TrainState(fresh.step, restored.params, tx.init(fresh.params))
   assert not fresh.step.committed and restored.params["embed_tokens"].get_value().committed
   with jax.log_compiles(True):
     out, _ = step(fresh, batch)

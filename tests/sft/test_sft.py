@@ -8,9 +8,9 @@ import pytest
 
 from rstar_jax.model import qwen3
 from rstar_jax.model.model_config import Qwen3Config
-from rstar_jax.rl import train_step as ts
 from rstar_jax.sft import packing
 from rstar_jax.sft import train_step as sft_ts
+from rstar_jax.train import step as core
 
 CFG = Qwen3Config(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -99,9 +99,9 @@ def test_sft_step_micro_batch_invariant():
   for micro in (1, 4):
     model = qwen3.create_model(CFG, seed=2)
     tx = optax.sgd(1.0)
-    graphdef, state, _ = ts.init_train_state(model, tx)
-    step = sft_ts.make_sft_step(graphdef, tx, ts.StepConfig(micro_batches=micro,
-                                                            logprob_chunk=16), donate=False)
+    graphdef, state, _ = core.init_train_state(model, tx)
+    step = sft_ts.make_sft_step(graphdef, tx, core.StepConfig(micro_batches=micro,
+                                                              logprob_chunk=16), donate=False)
     new, m = step(state, batch)
     out[micro] = (jax.device_get(m), new.params)
   np.testing.assert_allclose(out[4][0]["loss"], out[1][0]["loss"], rtol=1e-5)
