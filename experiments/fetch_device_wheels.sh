@@ -3,7 +3,7 @@
 # that a GPU host's JAX + CUDA image lacks (pure-Python, a few MB in all), for Python 3.12
 # on x86-64, at the versions requirements.txt pins. The device command then installs
 # them with `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`
-# and runs with PYTHONPATH=/tmp/site (see experiments/device_check.py).
+# and runs with PYTHONPATH=/tmp/site (see experiments/device_check/__main__.py).
 # The env section of device_check lists any package still missing there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

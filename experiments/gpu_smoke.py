@@ -1,7 +1,7 @@
 r"""python -m experiments.gpu_smoke --preset qwen3-0.6b --batch 8 --seq 1024
 
 The train step alone, on any preset and any mesh of one or many hosts (the whole
-device check of one host is `experiments/device_check.py`): lists the devices
+device check of one host is `experiments/device_check/`): lists the devices
 JAX sees, builds a mesh over all of them (`--mesh`, fsdp over every device by default),
 runs the sharded GRPO train step (the RL trainer's own step: policy-gradient loss,
 AdamW update) of a Qwen3 on a random batch, and prints tokens/s and model FLOPs

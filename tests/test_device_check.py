@@ -1,4 +1,4 @@
-"""experiments/device_check.py in its CPU mode (--tiny): every section runs, the report's
+"""experiments/device_check/ in its CPU mode (--tiny): every section runs, the report's
 schema, and a failing or crashing section is recorded while the others still run; and
 each check fails on a fault planted in its inputs (the check functions are pure)."""
 import json
@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import device_check as dc
+from experiments.device_check import checks
+from experiments.device_check import sections_hf_recipe
+from experiments.device_check import sections_rollouts
+from experiments.device_check import sections_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("env", "numerics", "train_step", "parts", "memory", "rollouts", "hf_io", "recipe")
@@ -134,7 +137,7 @@ def test_report_schema(full):
   assert agent["trajectories"] == 4 and agent["tool_calls"] >= 8
   assert agent["scripted_calls"] == 8 and agent["scripted_failed"] == 0
   hf = report["sections"]["hf_io"]
-  assert hf["hf_logits_rel_l2"] < dc.TARGETS["hf_logits_rel_l2_max"] and not hf["hf_error"]
+  assert hf["hf_logits_rel_l2"] < checks.TARGETS["hf_logits_rel_l2_max"] and not hf["hf_error"]
   recipe = report["sections"]["recipe"]
   assert recipe["eval_final"]["num_samples"] == 128 and recipe["rl_stage1"]["steps"] == 2
   assert report["sections"]["recipe"]["returncode"] == 0
@@ -169,36 +172,36 @@ def test_unknown_section_is_refused(tmp_path):
 
 
 def test_targets_live_in_one_table():
-  assert isinstance(dc.TARGETS, dict) and all(
-      isinstance(v, (int, float)) for v in dc.TARGETS.values())
+  assert isinstance(checks.TARGETS, dict) and all(
+      isinstance(v, (int, float)) for v in checks.TARGETS.values())
   # Every scripted call must reach the sandbox, and every one that does must run.
-  assert dc.TARGETS["scripted_calls_reached_min"] == 1.0
-  assert dc.TARGETS["scripted_calls_ok_min"] == 1.0
+  assert checks.TARGETS["scripted_calls_reached_min"] == 1.0
+  assert checks.TARGETS["scripted_calls_ok_min"] == 1.0
 
 
 def test_backend_check_fails_on_a_cpu_fallback():
   # JAX's own backend here (the CPU): a run that wanted an accelerator fails.
   devices = jax.devices()
-  met, detail = dc.check_backend(jax.default_backend(), [d.platform for d in devices], True)
+  met, detail = checks.check_backend(jax.default_backend(), [d.platform for d in devices], True)
   assert met is False and "cpu" in detail
-  assert dc.check_backend(jax.default_backend(), [d.platform for d in devices], False)[0]
-  assert dc.check_backend("gpu", ["gpu"], True)[0] is True
-  assert dc.check_backend("gpu", ["gpu", "cpu"], True)[0] is False   # a mixed set
-  assert dc.check_backend("gpu", [], True)[0] is False
+  assert checks.check_backend(jax.default_backend(), [d.platform for d in devices], False)[0]
+  assert checks.check_backend("gpu", ["gpu"], True)[0] is True
+  assert checks.check_backend("gpu", ["gpu", "cpu"], True)[0] is False   # a mixed set
+  assert checks.check_backend("gpu", [], True)[0] is False
 
 
 def test_memory_check_fails_off_the_cpu_host_plan(full):
   report, _, _ = full
   planned = report["sections"]["memory"]["plans"]["cpu_host"]["peak_bytes"]
-  assert dc.check_memory_vs_plan(int(planned * 1.10), planned)[0] is True
-  assert dc.check_memory_vs_plan(int(planned * 0.90), planned)[0] is True
-  assert dc.check_memory_vs_plan(int(planned * 1.20), planned)[0] is False
-  assert dc.check_memory_vs_plan(int(planned * 0.80), planned)[0] is False
+  assert checks.check_memory_vs_plan(int(planned * 1.10), planned)[0] is True
+  assert checks.check_memory_vs_plan(int(planned * 0.90), planned)[0] is True
+  assert checks.check_memory_vs_plan(int(planned * 1.20), planned)[0] is False
+  assert checks.check_memory_vs_plan(int(planned * 0.80), planned)[0] is False
   # No plan is a failure (the H100's CPU-host plan once failed on a compile option);
   # no measurement is n/a, not a pass.
-  met, detail = dc.check_memory_vs_plan(planned, None, "JaxRuntimeError: No such option")
+  met, detail = checks.check_memory_vs_plan(planned, None, "JaxRuntimeError: No such option")
   assert met is False and "No such option" in detail
-  assert dc.check_memory_vs_plan(None, planned)[0] is None
+  assert checks.check_memory_vs_plan(None, planned)[0] is None
 
 
 def _cpu_dot_product_custom_calls():
@@ -218,7 +221,7 @@ def test_dot_product_check_fails_without_cudnn_in_the_hlo(full):
   dpa = [r for r in report["sections"]["train_step"]["runs"]
          if r["attention_impl"] == "dot_product"][0]
   for calls in (dpa["hlo_custom_calls"], _cpu_dot_product_custom_calls()):
-    met, detail = dc.check_dot_product_attention(calls, 2.0)
+    met, detail = checks.check_dot_product_attention(calls, 2.0)
     assert met is False and "NOT in the step" in detail
   # HLO text with cuDNN's forward and backward fused attention (as the H100 step's).
   from experiments.common import step_timing
@@ -226,34 +229,34 @@ def test_dot_product_check_fails_without_cudnn_in_the_hlo(full):
           '%b = custom-call(...), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"\n'
           '%c = custom-call(...), custom_call_target="__cublas$gemm"')
   calls = step_timing._custom_calls(text)
-  assert dc.check_dot_product_attention(calls, 1.19)[0] is True
-  assert dc.check_dot_product_attention(calls, 0.9)[0] is False    # slower than blockwise
-  assert dc.check_dot_product_attention(calls, None)[0] is False
+  assert checks.check_dot_product_attention(calls, 1.19)[0] is True
+  assert checks.check_dot_product_attention(calls, 0.9)[0] is False    # slower than blockwise
+  assert checks.check_dot_product_attention(calls, None)[0] is False
   forward_only = [c for c in calls if "Backward" not in c]
-  assert dc.check_dot_product_attention(forward_only, 1.19)[0] is False
+  assert checks.check_dot_product_attention(forward_only, 1.19)[0] is False
 
 
 def test_recipe_check_fails_on_a_run_that_did_not_learn(full):
   report, _, _ = full
   recipe = report["sections"]["recipe"]
-  assert all(met for _, _, _, met, _ in dc.check_recipe_learned(recipe["eval_final"],
-                                                                recipe["rl_stage1"]))
+  assert all(met for _, _, _, met, _ in checks.check_recipe_learned(recipe["eval_final"],
+                                                                    recipe["rl_stage1"]))
   # The H100 run of 2026-11-27: pass@1 0.0, tool error rate 1.0.
   dead = dict(recipe["eval_final"], pass_at_1=0.0, tool_error_rate=1.0)
-  rows = dc.check_recipe_learned(dead, recipe["rl_stage1"])
+  rows = checks.check_recipe_learned(dead, recipe["rl_stage1"])
   assert [r[3] for r in rows] == [False, True]
   one = dict(recipe["eval_final"], pass_at_1=1 / 128)   # 1 of 128: below the target
-  assert dc.check_recipe_learned(one, recipe["rl_stage1"])[0][3] is False
+  assert checks.check_recipe_learned(one, recipe["rl_stage1"])[0][3] is False
   flat = dict(recipe["rl_stage1"], **{"rollout/reward_mean": 0.0, "no_learning_signal": True})
-  assert [r[3] for r in dc.check_recipe_learned(recipe["eval_final"], flat)] == [True, False]
-  assert [r[3] for r in dc.check_recipe_learned(None, None)] == [False, False]
+  assert [r[3] for r in checks.check_recipe_learned(recipe["eval_final"], flat)] == [True, False]
+  assert [r[3] for r in checks.check_recipe_learned(None, None)] == [False, False]
 
 
 def test_scripted_call_check_fails_unless_every_call_reaches_the_sandbox():
-  assert dc.check_scripted_calls(32, 32, 32)[0] is True
-  assert dc.check_scripted_calls(32, 30, 30)[0] is False   # the H100's 30 of 32
-  assert dc.check_scripted_calls(32, 32, 31)[0] is False   # one failed in the sandbox
-  assert dc.check_scripted_calls(0, 0, 0)[0] is False
+  assert checks.check_scripted_calls(32, 32, 32)[0] is True
+  assert checks.check_scripted_calls(32, 30, 30)[0] is False   # the H100's 30 of 32
+  assert checks.check_scripted_calls(32, 32, 31)[0] is False   # one failed in the sandbox
+  assert checks.check_scripted_calls(0, 0, 0)[0] is False
 
 
 def test_plain_thinking_leaves_no_protocol_tag():
@@ -272,7 +275,7 @@ def test_plain_thinking_leaves_no_protocol_tag():
       class Out:
         output_ids: list
       return Out(output_ids=list(tags) + [5])
-  plain = dc.PlainThinking(Echo(), tok)
+  plain = sections_rollouts.PlainThinking(Echo(), tok)
   think = asyncio.run(plain.generate(GenerationRequest(input_ids=[1], max_new_tokens=4)))
   assert "<" not in tok.decode(think.output_ids) and plain.replaced == len(tags)
   free = asyncio.run(plain.generate(GenerationRequest(input_ids=[1], max_new_tokens=4,
@@ -293,9 +296,9 @@ def test_bf16_check_fails_when_bf16_did_not_run():
   def rel(x):
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
   # Planted: the "bf16" model computed in fp32 (equal logits) fails; real bf16 passes.
-  assert dc.check_bf16_used(rel(logits["float32"]))[0] is False
-  assert dc.check_bf16_used(rel(logits["bfloat16"]))[0] is True
-  assert dc.check_bf16_used(2.0 ** -11 / 4)[0] is False   # TF32-class, not bf16
+  assert checks.check_bf16_used(rel(logits["float32"]))[0] is False
+  assert checks.check_bf16_used(rel(logits["bfloat16"]))[0] is True
+  assert checks.check_bf16_used(2.0 ** -11 / 4)[0] is False   # TF32-class, not bf16
 
 
 def test_hf_check_fails_on_a_corrupted_export(tmp_path):
@@ -314,27 +317,27 @@ def test_hf_check_fails_on_a_corrupted_export(tmp_path):
     ours = np.asarray(qwen3.forward_logits(model, jnp.asarray(tokens)), np.float64)
 
   def rel():
-    theirs = dc.transformers_logits(out, tokens).astype(np.float64)
+    theirs = sections_hf_recipe.transformers_logits(out, tokens).astype(np.float64)
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
-  assert dc.check_hf_logits(rel())[0] is True
+  assert checks.check_hf_logits(rel())[0] is True
   [path] = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")]
   tensors = load_file(path)
   key = next(k for k in tensors if k.endswith("layers.0.mlp.down_proj.weight"))
   tensors[key] = tensors[key] * 1.5
   save_file(tensors, path, metadata={"format": "pt"})
-  met, _ = dc.check_hf_logits(rel())
+  met, _ = checks.check_hf_logits(rel())
   assert met is False
-  met, detail = dc.check_hf_logits(None, "ModuleNotFoundError: No module named 'transformers'")
+  met, detail = checks.check_hf_logits(None, "ModuleNotFoundError: No module named 'transformers'")
   assert met is False and "transformers" in detail
 
 
 def test_padded_batch_has_padding_in_every_row():
-  batch = dc.padded_batch(512, 2, 64)
+  batch = sections_train.padded_batch(512, 2, 64)
   mask = batch["attention_mask"]
   assert mask.shape == (2, 64)
   assert (mask.sum(1) < 64).all() and (mask.sum(1) > 0).all()
   with pytest.raises(ValueError, match="power of two"):
-    dc.padded_batch(512, 2, 96)
+    sections_train.padded_batch(512, 2, 96)
 
 
 def test_the_committed_h100_run_judged_by_the_checks():
@@ -345,19 +348,19 @@ def test_the_committed_h100_run_judged_by_the_checks():
     report = json.load(f)
   s = report["sections"]
   env = s["env"]
-  assert dc.check_backend(env["backend"], [d["platform"] for d in env["devices"]], True)[0]
+  assert checks.check_backend(env["backend"], [d["platform"] for d in env["devices"]], True)[0]
   runs = {r["attention_impl"]: r for r in s["train_step"]["runs"] if r["seq"] == 8192}
   speed = runs["blockwise"]["median_s"] / runs["dot_product"]["median_s"]
-  assert dc.check_dot_product_attention(runs["dot_product"]["hlo_custom_calls"], speed)[0]
-  assert not dc.check_dot_product_attention(runs["chunked"]["hlo_custom_calls"], speed)[0]
+  assert checks.check_dot_product_attention(runs["dot_product"]["hlo_custom_calls"], speed)[0]
+  assert not checks.check_dot_product_attention(runs["chunked"]["hlo_custom_calls"], speed)[0]
   memory = s["memory"]
-  met, detail = dc.check_memory_vs_plan(memory["measured_peak_bytes"],
-                                        memory["plans"]["cpu_host"].get("peak_bytes"),
-                                        memory["plans"]["cpu_host"].get("error", ""))
+  met, detail = checks.check_memory_vs_plan(memory["measured_peak_bytes"],
+                                            memory["plans"]["cpu_host"].get("peak_bytes"),
+                                            memory["plans"]["cpu_host"].get("error", ""))
   assert met is False and "xla_cpu_use_fusion_emitters" in detail
-  rows = dc.check_recipe_learned(s["recipe"]["eval_final"], None)
+  rows = checks.check_recipe_learned(s["recipe"]["eval_final"], None)
   assert rows[0][3] is False and s["recipe"]["eval_final"]["tool_error_rate"] == 1.0
-  assert dc.check_bf16_used(s["numerics"]["logits_rel_l2"])[0] is True
+  assert checks.check_bf16_used(s["numerics"]["logits_rel_l2"])[0] is True
 
 
 def test_segment_check_fails_when_packed_sequences_see_each_other():
@@ -367,22 +370,23 @@ def test_segment_check_fails_when_packed_sequences_see_each_other():
   cfg = model_config.get_preset("tiny", param_dtype="float32", dtype="bfloat16",
                                 attention_impl="chunked", attention_chunk=16,
                                 remat_policy="none")
-  assert dc.check_segment_isolation(dc.segment_isolation_rel_l2(cfg, 64))[0] is True
-  met, detail = dc.check_segment_isolation(
-      dc.segment_isolation_rel_l2(cfg, 64, merge_segments=True))
+  rel_l2 = sections_train.segment_isolation_rel_l2(cfg, 64)
+  assert checks.check_segment_isolation(rel_l2)[0] is True
+  met, detail = checks.check_segment_isolation(
+      sections_train.segment_isolation_rel_l2(cfg, 64, merge_segments=True))
   assert met is False and "across" in detail
 
 
 def test_lever_flags_are_parsed_or_refused_and_the_lever_check_can_fail():
-  assert dc.parse_lever("step.fused_head_loss=true") == ("step", "fused_head_loss", True)
-  assert dc.parse_lever("step.micro_batches=4") == ("step", "micro_batches", 4)
-  assert dc.parse_lever("model.remat_policy=save_qkv_attn") == ("model", "remat_policy",
-                                                                "save_qkv_attn")
+  assert checks.parse_lever("step.fused_head_loss=true") == ("step", "fused_head_loss", True)
+  assert checks.parse_lever("step.micro_batches=4") == ("step", "micro_batches", 4)
+  assert checks.parse_lever("model.remat_policy=save_qkv_attn") == ("model", "remat_policy",
+                                                                    "save_qkv_attn")
   for bad in ("step.fused_head=true", "optim.lr=1", "step.fused_head_loss"):
     with pytest.raises(ValueError, match="--levers"):
-      dc.parse_lever(bad)
-  assert dc.check_lever(2.0, 2.0) == (True, 0.0)
-  met, rel = dc.check_lever(2.0, 2.2)         # a lever that changes the maths: 10% off
+      checks.parse_lever(bad)
+  assert checks.check_lever(2.0, 2.0) == (True, 0.0)
+  met, rel = checks.check_lever(2.0, 2.2)         # a lever that changes the maths: 10% off
   assert met is False and abs(rel - 0.1) < 1e-12
-  assert dc.check_lever(None, 2.0) == (False, None)   # the base case failed
-  assert dc.check_lever(2.0, None) == (False, None)   # the lever failed
+  assert checks.check_lever(None, 2.0) == (False, None)   # the base case failed
+  assert checks.check_lever(2.0, None) == (False, None)   # the lever failed
