@@ -8,9 +8,8 @@ process layout, mesh and backends with tiny sizes. SFT runs through
 `sbatch experiments/slurm/rstar2_14b.sbatch` with only its environment variables set
 runs RL stages 1-3 and the evaluation. Nothing is mocked: SLURM signals, requeues and
 kills for real. The same rehearsal also runs through experiments.launch_cluster on a
-real Ray head at 127.0.0.1 (slow-listed: tests/slow_tests.txt says why). The rest runs
-in CI: ~15-20 minutes on 2 cores, so tests/conftest.py starts the file first
-(LONGEST_FILES_FIRST).
+real Ray head at 127.0.0.1. All of it runs in CI: ~20-25 minutes on 2 cores, so
+tests/conftest.py starts the file first (LONGEST_FILES_FIRST).
 """
 import json
 import os
@@ -199,7 +198,6 @@ def _stop_all_by_environ(marker: str, within_s: float = 60.0) -> list[int]:
   return found
 
 
-@pytest.mark.slow
 @REHEARSAL_TIMEOUT
 def test_the_same_rehearsal_through_launch_cluster_on_a_local_ray_cluster(cluster, straight,
                                                                          tmp_path):
