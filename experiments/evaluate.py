@@ -47,13 +47,13 @@ def run_suite(config, hf_dir: str, *, benchmark_spec: list[str], protocol: str):
   import contextlib
   import dataclasses
 
-  from rstar_jax.recipe import stages, workdir_state
+  from rstar_jax.recipe import recipe_config, stages, workdir_state
   from rstar_jax.eval import benchmarks, suite
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import backends, chat
   from rstar_jax.rollout import sandbox_client as tools_lib
 
-  cfg = stages.build_config(config)
+  cfg = recipe_config.build_config(config)
   if not benchmark_spec:
     raise config_utils.ConfigError(
         "--suite needs --benchmarks=NAME=PATH,... (the local file of each benchmark; "

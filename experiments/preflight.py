@@ -151,7 +151,7 @@ def _load_sections(config) -> Any:
   and data sections are not needed: their paths come on the real command line)."""
   from rstar_jax import config_utils as cu
   from rstar_jax import sharding
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   from rstar_jax.rl import trainer as rl_trainer
   from rstar_jax.rollout import backends
 
@@ -162,9 +162,10 @@ def _load_sections(config) -> Any:
   built = dict(
       mesh=cu.build(sharding.MeshConfig, config.mesh, "config.mesh"),
       rollout=cu.build(backends.RolloutConfig, rollout, "config.rollout"),
-      sft=cu.build(stages.SFTStage, config.sft, "config.sft"),
+      sft=cu.build(recipe_config.SFTStage, config.sft, "config.sft"),
       rl=cu.build(rl_trainer.RLConfig, config.rl, "config.rl"),
-      **{n: cu.build(stages.RLStage, config[n], f"config.{n}") for n in stages.RL_STAGES})
+      **{n: cu.build(recipe_config.RLStage, config[n], f"config.{n}")
+         for n in recipe_config.RL_STAGES})
   return type("Sections", (), built)()
 
 

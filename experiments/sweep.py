@@ -88,8 +88,8 @@ def _main(argv):
   sweep_overrides.check_shared(base, _CHILD_ARGS.value, overrides)
   build = None
   if _MODULE.value in _RECIPE_MODULES:
-    from rstar_jax.recipe import stages
-    build = stages.build_config
+    from rstar_jax.recipe import recipe_config
+    build = recipe_config.build_config
   sweep_overrides.validate(overrides, config, build=build)
   base = {**sweep_overrides.shared_overrides(config, base, overrides, _WORKDIR.value), **base}
   points = sweep_points.make_points(overrides, _WORKDIR.value)

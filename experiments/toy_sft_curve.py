@@ -44,10 +44,11 @@ def main(argv):
   from flax import nnx
   from rstar_jax.model import hf_io
   from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   from rstar_jax.data import data_config, toy_task
 
   import dataclasses
-  config = stages.build_config(_CONFIG.value)
+  config = recipe_config.build_config(_CONFIG.value)
   if config.data.kind != "toy":
     raise config_utils.ConfigError("toy_sft_curve needs config.data.kind='toy'")
   with tempfile.TemporaryDirectory() as tmp:

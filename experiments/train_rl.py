@@ -17,9 +17,11 @@ _STAGE = flags.DEFINE_list("stage", ["stage1"], "RL stage(s) to run: stage1,stag
 def main(argv):
   del argv
   from rstar_jax.recipe import stages
-  bad = set(_STAGE.value) - set(stages.RL_STAGES)
+  from rstar_jax.recipe import recipe_config
+  bad = set(_STAGE.value) - set(recipe_config.RL_STAGES)
   if bad:
-    raise config_utils.ConfigError(f"--stage: unknown {sorted(bad)}; known {stages.RL_STAGES}")
+    raise config_utils.ConfigError(
+        f"--stage: unknown {sorted(bad)}; known {recipe_config.RL_STAGES}")
   stages.run(_CONFIG.value, stages=list(_STAGE.value))
 
 

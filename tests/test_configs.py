@@ -15,6 +15,7 @@ import pytest
 
 from rstar_jax import config_utils
 from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")
@@ -42,15 +43,15 @@ def test_every_config_builds(spec):
     c = _14b()
   if "ablation" in spec:
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   doc = open(os.path.join(REPO, spec.split(":")[0])).read().split('"""')[1]
   assert doc.startswith("python -m experiments.")   # the docstring opens with the command
-  for stage in stages.RL_STAGES:
+  for stage in recipe_config.RL_STAGES:
     assert getattr(cfg, stage).agent.max_response_tokens < cfg.rollout.engine.max_len
 
 
 def test_14b_config_matches_spec():
-  c = stages.build_config(_14b())
+  c = recipe_config.build_config(_14b())
   assert (c.rl.loss.eps_low, c.rl.loss.eps_high, c.rl.optimizer.learning_rate,
           c.rl.optimizer.warmup_steps, c.rl.optimizer.weight_decay) == (0.2, 0.28, 1e-6, 20, 0.01)
   assert (c.rl.samples_per_prompt, c.rl.downsample.group_size) == (32, 16)
@@ -124,7 +125,7 @@ def test_every_field_is_reachable_by_its_override_path():
   base = _load()
   tried = 0
   skipped = []
-  for path, tp, f in _leaves(stages.RecipeConfig):
+  for path, tp, f in _leaves(recipe_config.RecipeConfig):
     node = base
     for p in path:
       node = node[p]
@@ -151,7 +152,7 @@ def test_every_field_is_reachable_by_its_override_path():
       target[path[-1]] = json.dumps(value) if path[-1] == "tool_schema" else value
     else:
       target[path[-1]] = value
-    built = stages.build_config(c)
+    built = recipe_config.build_config(c)
     got = built
     for p in path:
       got = got[p] if isinstance(got, dict) else getattr(got, p)
@@ -173,7 +174,7 @@ def test_the_rl_only_fused_head_is_refused_in_sft():
   c.sft.step.fused_head_loss = True
   with pytest.raises(config_utils.ConfigError, match=r"sft.*fused_head_loss=True.*Fix: leave "
                                                      r"sft\.step\.fused_head_loss False"):
-    stages.build_config(c)
+    recipe_config.build_config(c)
 
 
 def test_bad_key_and_bad_type_name_the_field():
@@ -183,28 +184,28 @@ def test_bad_key_and_bad_type_name_the_field():
   with pytest.raises(config_utils.ConfigError,
                      match=r"config.rl.downsample: unknown key\(s\) \['use_eror_penalty'\]; "
                            r"valid keys: .*use_error_penalty"):
-    stages.build_config(c)
+    recipe_config.build_config(c)
   c = _load().to_dict()
   c["stage1"]["agent"]["max_turns"] = "many"
   with pytest.raises(config_utils.ConfigError,
                      match=r"config.stage1.agent.max_turns: expected int, got str 'many'"):
-    stages.build_config(c)
+    recipe_config.build_config(c)
   c = _load()
   c.rl.optimizer.learning_rate = -1.0
   with pytest.raises(config_utils.ConfigError,
                      match=r"config.rl.optimizer: OptimizerConfig.learning_rate must be > 0"):
-    stages.build_config(c)
+    recipe_config.build_config(c)
 
 
 def test_mesh_rules_are_config_data():
   c = _load()
   c.mesh.rules.embed = "tensor"
   c.mesh.rules.batch = ""
-  rules = dict(stages.build_config(c).mesh.logical_rules())
+  rules = dict(recipe_config.build_config(c).mesh.logical_rules())
   assert rules["embed"] == "tensor" and rules["batch"] is None and rules["vocab"] == "tensor"
   c.mesh.rules.embed = "fsdp,nodes"
   with pytest.raises(config_utils.ConfigError, match=r"unknown mesh axes \['nodes'\]"):
-    stages.build_config(c)
+    recipe_config.build_config(c)
 
 
 def test_mesh_that_does_not_fit_the_devices_is_rejected():
@@ -226,13 +227,13 @@ def test_toy_levels_and_kinds_select_the_problems():
 
 
 def test_chat_protocol_is_an_explicit_section():
-  toy = stages.build_config(_load())
-  release = stages.build_config(_14b())
+  toy = recipe_config.build_config(_load())
+  release = recipe_config.build_config(_14b())
   assert toy.chat.system_prompt != release.chat.system_prompt   # chosen, not implied by data.kind
   c = _load()
   c.data.kind = "files"
   c.data.train_files = ("/x.jsonl",)
-  assert stages.build_config(c).chat == toy.chat
+  assert recipe_config.build_config(c).chat == toy.chat
 
 
 # ---- the command line -----------------------------------------------------------------
@@ -316,7 +317,7 @@ def test_roc_ablation_points_build():
     c = _load(os.path.join(REPO, "experiments/configs/toy_roc_ablation.py"))
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
     _apply(c, point)
-    cfg = stages.build_config(c)
+    cfg = recipe_config.build_config(c)
     assert not cfg.sft.enabled and cfg.stage1.num_steps > 0 and cfg.model.hf_dir
     drawn = cfg.rl.samples_per_prompt
     kept = min(drawn, cfg.rl.downsample.group_size)
@@ -333,7 +334,7 @@ def test_async_ablation_points_differ_only_in_their_arm_and_seed():
     c = _load(spec)
     c.model.hf_dir, c.tokenizer.path = "/sft/export", "/sft/export"
     _apply(c, point)
-    cfg = stages.build_config(c)
+    cfg = recipe_config.build_config(c)
     assert not cfg.sft.enabled and cfg.stage1.num_steps == 40 and cfg.stage2.num_steps == 0
     arm = (cfg.rl.async_rollouts.max_staleness, cfg.rl.loss.off_policy,
            cfg.rl.async_rollouts.weight_updates)
@@ -354,7 +355,7 @@ def test_toy_sft_rows_hold_every_trace_and_pack_densely(tmp_path):
   from rstar_jax.sft import packing
   c = _load()
   c.sft.data.num_traces = 2000
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   ctx = stages.build_context(cfg, tools=None, workdir=str(tmp_path))
   pairs = stages.sft_pairs(ctx)
   _, stats = packing.pack(pairs, cfg.sft.seq_len)

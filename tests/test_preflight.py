@@ -96,7 +96,7 @@ def test_the_old_engine_on_one_device_is_refused_naming_the_field():
 
 def test_the_config_states_the_layout_once():
   from rstar_jax.recipe import cluster
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   layout = config_utils.build(layout_lib.Layout, config_utils._load_config_file(CFG + ":layout"))
   assert (layout.trainer_devices, layout.rollout_servers, layout.sandbox_servers) == (32, 32, 4)
   c = config_utils._load_config_file(CFG)
@@ -116,7 +116,7 @@ def test_the_config_states_the_layout_once():
   # every RL stage's batch capped at 13,312 (the servers' context), 8,192 rows, 4 a shard.
   c.model.hf_dir, c.tokenizer.path, c.rollout.servers = "/m", "/m", ("http://n:1",)
   c.data.train_files = ("/d.parquet",)
-  shapes = pf.train_shapes(stages.build_config(c), batch_shards=8)
+  shapes = pf.train_shapes(recipe_config.build_config(c), batch_shards=8)
   got = {(s.name, s.seq_len, s.rows, s.micro_batch) for s in shapes}
   assert got == {("sft", 8192, 128, 1), ("stage1,2,3", 13312, 8192, 4),
                  ("stage1,2,3 +KL ref", 13312, 8192, 4)}
@@ -228,19 +228,19 @@ def test_an_sft_only_run_of_the_14b_config_needs_no_rollout_servers(tmp_path):
   rollout.servers for --stages=sft, and refuses to for a stage that generates, naming the
   field. One SFT step of the rehearsal's tiny model runs so, from the config with no
   servers."""
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   c = config_utils._load_config_file(CFG)
   c.model.hf_dir, c.tokenizer.path = "/m", "/m"
   c.data.train_files = ("/d.parquet",)
   assert not c.rollout.servers and c.rollout.backend == "sglang"
-  assert not stages.generates(c, ["sft"]) and stages.generates(c, ["sft", "stage1"])
-  cfg = stages.build_config(c, ["sft"])
-  assert cfg.rollout.servers == stages.NO_SERVERS
+  assert not recipe_config.generates(c, ["sft"]) and recipe_config.generates(c, ["sft", "stage1"])
+  cfg = recipe_config.build_config(c, ["sft"])
+  assert cfg.rollout.servers == recipe_config.NO_SERVERS
   with pytest.raises(config_utils.ConfigError, match="RolloutConfig.servers is empty"):
-    stages.build_config(c, ["sft", "stage1"])
+    recipe_config.build_config(c, ["sft", "stage1"])
   c.eval.after_sft = True              # SFT's own evaluation generates
   with pytest.raises(config_utils.ConfigError, match="RolloutConfig.servers is empty"):
-    stages.build_config(c, ["sft"])
+    recipe_config.build_config(c, ["sft"])
   rehearsal = os.path.join(REPO, "experiments/configs/rstar2_agent_14b_rehearsal.py")
   assert not config_utils._load_config_file(rehearsal + ":sft").rollout.servers
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

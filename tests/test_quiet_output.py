@@ -158,7 +158,7 @@ def test_validation_errors_name_the_field_and_the_rule(where, values, message):
   is refused naming its section, its field, the rule and the value."""
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   config = toy.get_config("smoke")
   node = config
   for part in where.split("."):
@@ -166,7 +166,7 @@ def test_validation_errors_name_the_field_and_the_rule(where, values, message):
   for k, v in values.items():
     node[k] = v
   with pytest.raises(config_utils.ConfigError, match=message):
-    stages.build_config(config)
+    recipe_config.build_config(config)
 
 
 def test_a_request_names_the_sampling_parameter_it_breaks():

@@ -68,14 +68,14 @@ def test_two_step_recipe_end_to_end(recipe_dir):
   assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]   # SFT learns something
   # The export renders our protocol through transformers' chat template.
   import transformers
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   from rstar_jax.model import tokenizer as tokenizer_lib
   from rstar_jax.rollout import chat
   export = os.path.join(workdir, "stage1", "export")
   hf_tok = transformers.AutoTokenizer.from_pretrained(export)
   text = hf_tok.apply_chat_template([{"role": "user", "content": "What is 12*34?"}],
                                     tokenize=False, add_generation_prompt=True)
-  cfg = stages.build_config(json.load(open(os.path.join(workdir, "config.json"))))
+  cfg = recipe_config.build_config(json.load(open(os.path.join(workdir, "config.json"))))
   proto = chat.ChatProtocol(tokenizer_lib.Tokenizer.from_dir(export), cfg.chat)
   assert hf_tok.encode(text, add_special_tokens=False) == proto.prompt_ids("What is 12*34?")
 
@@ -135,10 +135,10 @@ def test_launch_settings_are_not_a_config_change(tmp_path):
   import dataclasses
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages, workdir_state
+  from rstar_jax.recipe import recipe_config, workdir_state
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   workdir_state.check_workdir(cfg)
   os.makedirs(tmp_path / "sft")
   (tmp_path / "sft" / "DONE.json").write_text(json.dumps({"steps": 1}))
@@ -181,10 +181,10 @@ def test_a_changed_config_is_refused_while_a_stage_can_resume(tmp_path):
   import dataclasses
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages, workdir_state
+  from rstar_jax.recipe import recipe_config, workdir_state
   c = toy.get_config("smoke")
   c.workdir = str(tmp_path)
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   workdir_state.check_workdir(cfg)
   workdir_state.check_workdir(dataclasses.replace(cfg, seed=1))   # nothing started: replaced
   assert json.load(open(tmp_path / "config.json"))["seed"] == 1
@@ -679,7 +679,7 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
   seed or model), shared by every stage, and written in place (a torn file failed
   every later run)."""
   import types
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config, stages
   from rstar_jax.data.math_problems import MathProblem
   from rstar_jax.rollout.agent_loop import AgentConfig
   problems = [MathProblem(f"p{i}", "q", "1", "t") for i in range(6)]
@@ -696,7 +696,8 @@ def test_the_hard_subset_is_reused_only_when_made_with_the_same_settings(tmp_pat
       json.dump({"uids": uids, "made_with": made_with}, f)
     return uids
   monkeypatch.setattr(stages, "_unsolved", fake_unsolved)
-  stage = lambda k: stages.RLStage(num_steps=1, hard_only=True, hard_k=k, agent=AgentConfig())
+  stage = lambda k: recipe_config.RLStage(num_steps=1, hard_only=True, hard_k=k,
+                                          agent=AgentConfig())
   assert len(stages.hard_subset(ctx, None, "stage3", stage(2))) == 2
   assert len(stages.hard_subset(ctx, None, "stage3", stage(2))) == 2 and calls == [2]  # reused
   assert len(stages.hard_subset(ctx, None, "stage3", stage(3))) == 3 and calls == [2, 3]
@@ -808,9 +809,9 @@ def test_the_final_evaluation_can_use_the_report_s_protocol_and_says_so(recipe_d
   assert "fewer than the protocol's 30720 response tokens" in out, out[-3000:]
   report = json.load(open(os.path.join(d, "eval_final.json")))
   assert report["temperature"] == 0.6 and report["samples_per_problem"] == 16
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   with pytest.raises(ValueError, match="EvalStage.protocol='paper'"):
-    stages.EvalStage(protocol="paper")
+    recipe_config.EvalStage(protocol="paper")
 
 
 def test_unknown_stages_and_missing_data_files_are_refused_before_anything_is_written(tmp_path):

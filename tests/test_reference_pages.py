@@ -22,7 +22,7 @@ import numpy as np
 from rstar_jax import metric_table
 from rstar_jax.model import model_config
 from rstar_jax.recipe import reference
-from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.rl import losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def _leaf_paths(cls, prefix=""):
 def test_the_config_page_has_a_row_for_every_field():
   with open(os.path.join(PAGES, "config.md"), encoding="utf-8") as f:
     rows = re.findall(r"^\| `([\w.]+)` \|", f.read(), re.M)
-  expected = _leaf_paths(stages.RecipeConfig)
+  expected = _leaf_paths(recipe_config.RecipeConfig)
   assert len(rows) == len(set(rows))
   assert sorted(rows) == sorted(expected), set(rows) ^ set(expected)
   # The tree's defaults: the stages' own, not RecipeConfig's (whose stage1 budget does

@@ -85,6 +85,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
   from experiments.configs import toy
   from rstar_jax.model import hf_io
   from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   from rstar_jax.rl import async_rollouts as async_lib
   from rstar_jax.rl import trainer as rl_trainer
   from rstar_jax.rollout import backends
@@ -97,7 +98,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
       return [{"status": "ok", "stdout": "1\n", "stderr": ""} for _ in calls]
 
   root = tempfile.mkdtemp(prefix="async_throughput_")
-  cfg = stages.build_config(toy.get_config("smoke"))
+  cfg = recipe_config.build_config(toy.get_config("smoke"))
   ctx = stages.build_context(cfg, Tools(), workdir=root)
   first = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   stack = contextlib.ExitStack()

@@ -33,7 +33,7 @@ from experiments.common import results_json
 from experiments.common import roofline
 from experiments.configs import toy
 from rstar_jax import optim
-from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.model import model_config, qwen3
 from rstar_jax.rl import train_step as ts
 from rstar_jax.train import step as core
@@ -65,7 +65,7 @@ def _batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarr
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  cfg = stages.build_config(toy.get_config(FLAGS.variant))
+  cfg = recipe_config.build_config(toy.get_config(FLAGS.variant))
   rl = cfg.rl
   rows = rl.prompts_per_step * rl.downsample.group_size   # rl.fixed_rows: the most kept
   vocab = cfg.tokenizer.vocab_size

@@ -29,7 +29,7 @@ import typing
 from typing import Any, Iterator, Sequence
 
 from rstar_jax import metric_table
-from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES_DIR = os.path.join("docs", "reference")
@@ -217,7 +217,7 @@ def _default_text(cls: type, name: str, value: Any) -> str:
   return _default_expression(cls, name) or text[:_MAX_DEFAULT - 3] + "..."
 
 
-def sections(cls: type = stages.RecipeConfig, value: Any = None, path: str = ""
+def sections(cls: type = recipe_config.RecipeConfig, value: Any = None, path: str = ""
              ) -> Iterator[Section]:
   """Every section of the tree, depth first in field order: its leaf fields, with the
   defaults of `value` (the section's default instance; None at the top)."""
@@ -283,8 +283,8 @@ def render_config() -> str:
       f"Generated from the code by `{COMMAND}`; do not edit by hand",
       "(`tests/test_reference_pages.py` fails when this page is out of date).", "",
       "Every field of the recipe's config tree, `RecipeConfig` in "
-      f"{_source_link(stages.RecipeConfig)}. Each section holds the keyword arguments of the "
-      "dataclass it builds ([architecture](../architecture.md), \"From config to code\"); set "
+      f"{_source_link(recipe_config.RecipeConfig)}. Each section holds the keyword arguments "
+      "of the dataclass it builds ([architecture](../architecture.md), \"From config to code\"); set "
       "a field on the command line by its path, e.g. `--config.rl.loss.eps_high=0.28`. Defaults "
       "are the dataclasses' own (`stage2` and `stage3` default to 0 steps); the config files "
       "in `experiments/configs/` set their own. The description is the first sentence of what "

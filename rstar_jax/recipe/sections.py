@@ -24,7 +24,7 @@ from rstar_jax.model.model_config import ModelConfig
 from rstar_jax.optim import OptimizerConfig
 from rstar_jax.recipe.cluster import ClusterConfig
 from rstar_jax.recipe.layout import Layout, sglang_args
-from rstar_jax.recipe.stages import RL_STAGES, EvalStage, RecipeConfig, RLStage, SFTStage
+from rstar_jax.recipe.recipe_config import RL_STAGES, EvalStage, RecipeConfig, RLStage, SFTStage
 from rstar_jax.rl.advantages import AdvantageConfig
 from rstar_jax.rl.async_rollouts import AsyncRolloutsConfig
 from rstar_jax.rl.losses import LossConfig

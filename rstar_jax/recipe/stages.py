@@ -1,8 +1,7 @@
 """The rStar2-Agent recipe: SFT -> RL stage 1 -> stage 2 -> stage 3 (hard subset) -> eval.
 
-The whole config is one `RecipeConfig`: each section is the keyword arguments of the
-dataclass it builds (model, tokenizer, chat, data, tools, rollout, mesh, sft, rl,
-stage1..3, eval). `build_config` checks all of it before anything runs.
+The whole config is one `recipe_config.RecipeConfig` (each section the keyword arguments
+of the dataclass it builds), checked by `recipe_config.build_config` before anything runs.
 
 Each stage lives in `<workdir>/<stage>/`: its orbax checkpoints (resume inside the
 stage), a Hugging Face export of the final weights (`export/`, what the next stage
@@ -29,195 +28,25 @@ from rstar_jax.analysis import progress as progress_plot
 from rstar_jax.data import data_config
 from rstar_jax.eval import eval_runs as eval_lib
 from rstar_jax.eval import pass_at_k as eval_metrics
-from rstar_jax.eval import suite as eval_suite
 from rstar_jax.model import model_config
 from rstar_jax.model import hf_io, qwen3
-from rstar_jax.recipe import preflight_checks, workdir_state
+from rstar_jax.recipe import preflight_checks, recipe_config, workdir_state
 from rstar_jax.rl import rollout_collector
 from rstar_jax.rl import trainer as rl_trainer
-from rstar_jax.rollout import agent_loop, backends, chat, chat_template
+from rstar_jax.rollout import backends, chat, chat_template
 from rstar_jax.rollout import sandbox_client as tools_lib
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
-# The stages in run order: SFT and the RL stages leave a directory each
-# (workdir_state.STAGE_DIRS), the final evaluation its report.
-RL_STAGES = workdir_state.STAGE_DIRS[1:]
-ALL_STAGES = (*workdir_state.STAGE_DIRS, "eval")
 # Seed-stream salts of the evaluation-style runs (see rl.rollout_collector).
 EVAL_SALT, FILTER_SALT = 99, 77
-
-
-# ---- the config ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTStage(sft_trainer.SFTConfig):
-  """`config.sft`: the SFT trainer's config plus whether to run it and on what data."""
-  enabled: bool = True
-  data: data_config.SFTDataConfig = dataclasses.field(default_factory=data_config.SFTDataConfig)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLStage:
-  """`config.stage1..3`: what differs between RL stages (the rest is `config.rl`).
-
-  Attributes:
-    num_steps: RL steps of the stage (0 skips it).
-    agent: turn and token budget and sampling of the stage's rollouts.
-    hard_only: train only on problems the policy does not solve hard_k out of hard_k.
-    hard_k: samples per problem for that filter.
-    hard_pool: filter the first hard_pool training problems (0: all).
-    reset_optimizer: start with fresh Adam moments instead of the previous stage's.
-  """
-  num_steps: int = 10
-  agent: agent_loop.AgentConfig = dataclasses.field(default_factory=agent_loop.AgentConfig)
-  hard_only: bool = False
-  hard_k: int = 8
-  hard_pool: int = 0
-  reset_optimizer: bool = False
-
-  def __post_init__(self):
-    for name, low in (("num_steps", 0), ("hard_k", 1), ("hard_pool", 0)):
-      if getattr(self, name) < low:
-        raise ValueError(f"RLStage.{name} must be >= {low}, got {getattr(self, name)!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalStage(eval_lib.EvalConfig):
-  """`config.eval`: the evaluation, and whether to run it after SFT too.
-
-  Attributes:
-    protocol: "config": `k` and `agent` as configured. "report": the rStar2-Agent
-      report's (arXiv 2508.20722 section 5.1: 16 samples, temperature 0.6, 30,720
-      tokens, 30 turns; `eval.suite.PROTOCOLS`), whatever `k` and `agent` say, so that
-      the recipe's table can be set beside the report's; the rollout engine must hold
-      30,720 tokens past the prompt. "greedy": temperature 0, one sample. Every
-      evaluation prints the protocol it used.
-  """
-  after_sft: bool = True
-  protocol: str = "config"
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.protocol not in eval_suite.PROTOCOL_NAMES:
-      raise ValueError(f"EvalStage.protocol={self.protocol!r}; choose from "
-                       f"{eval_suite.PROTOCOL_NAMES}")
-
-  def resolved(self) -> eval_lib.EvalConfig:
-    """The settings the evaluation runs with (`protocol` applied)."""
-    if self.protocol == "config":
-      return self
-    return eval_suite.protocol(self.protocol, self)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RecipeConfig:
-  """The whole run. `seed` seeds everything (tokenizer, data, init, rollouts).
-
-  Attributes:
-    compile_cache: keep XLA's compiled programs on disk (JAX's persistent cache), so that
-      later stages, a resumed run and a rerun load them instead of compiling again.
-    compile_cache_dir: where (empty: <workdir>/compile_cache). Several runs may share one
-      directory at once, e.g. a sweep's points (`experiments/sweep.py` sets it to
-      <sweep dir>/compile_cache): the programs do not depend on the seed or the workdir.
-    allow_random_init: let an RL stage or evaluation start from a randomly initialised
-      model (no finished earlier stage, no model.hf_dir). Off: refused, since it is
-      almost always a mistake (SFT not run, wrong work directory).
-    allow_config_change: run with a config that differs from the work directory's
-      config.json although stages are finished; the new config is written beside the
-      old one (config_<n>.json) with the difference logged.
-  """
-  seed: int = 0
-  workdir: str = "/tmp/rstar_run"
-  compile_cache: bool = True
-  compile_cache_dir: str = ""
-  allow_random_init: bool = False
-  allow_config_change: bool = False
-  distributed: distributed.DistributedConfig = dataclasses.field(
-      default_factory=distributed.DistributedConfig)
-  mesh: sharding.MeshConfig = dataclasses.field(default_factory=sharding.MeshConfig)
-  model: model_config.ModelConfig = dataclasses.field(
-      default_factory=lambda: model_config.ModelConfig(preset="tiny"))
-  tokenizer: data_config.TokenizerConfig = dataclasses.field(
-      default_factory=data_config.TokenizerConfig)
-  chat: chat.ChatConfig = dataclasses.field(default_factory=chat.ChatConfig)
-  data: data_config.DataConfig = dataclasses.field(default_factory=data_config.DataConfig)
-  tools: tools_lib.ToolsConfig = dataclasses.field(default_factory=tools_lib.ToolsConfig)
-  rollout: backends.RolloutConfig = dataclasses.field(default_factory=backends.RolloutConfig)
-  sft: SFTStage = dataclasses.field(default_factory=SFTStage)
-  rl: rl_trainer.RLConfig = dataclasses.field(default_factory=rl_trainer.RLConfig)
-  stage1: RLStage = dataclasses.field(default_factory=RLStage)
-  stage2: RLStage = dataclasses.field(default_factory=lambda: RLStage(num_steps=0))
-  stage3: RLStage = dataclasses.field(default_factory=lambda: RLStage(num_steps=0))
-  eval: EvalStage = dataclasses.field(default_factory=EvalStage)
-
-  def __post_init__(self):
-    if not self.workdir:
-      raise ValueError("RecipeConfig.workdir must be set")
-    max_len = self.rollout.engine.max_len
-    for name in RL_STAGES:
-      budget = getattr(self, name).agent.max_response_tokens
-      if getattr(self, name).num_steps and budget >= max_len:
-        raise ValueError(f"{name}.agent.max_response_tokens={budget} does not fit "
-                         f"rollout.engine.max_len={max_len} (prompt + response)")
-    if self.eval.agent.max_response_tokens >= max_len:
-      raise ValueError(f"eval.agent.max_response_tokens={self.eval.agent.max_response_tokens}"
-                       f" does not fit rollout.engine.max_len={max_len}")
-
-
-def build_config(config, stages: Sequence[str] | None = None) -> RecipeConfig:
-  """The checked RecipeConfig of a config section (ConfigDict or dict). With `stages`
-  (the run's), a run that generates nothing (`generates`) needs no rollout servers: an
-  HTTP backend without `rollout.servers` gets NO_SERVERS, which nothing contacts."""
-  if isinstance(config, RecipeConfig):
-    return config
-  if stages is not None:
-    rollout = _section(config, "rollout")
-    if (rollout.get("backend") in preflight_checks.HTTP_BACKENDS
-        and not rollout.get("servers") and not rollout.get("servers_file")
-        and not generates(config, stages)):
-      config = config_utils.to_dict(config)
-      config["rollout"] = dict(config_utils.to_dict(config["rollout"]), servers=NO_SERVERS)
-  return config_utils.build(RecipeConfig, config, "config")
-
-
-# The servers of a run that generates nothing (SFT without its evaluation): a name that
-# never resolves (RFC 2606 .invalid). rollout.servers is a launch key, so the RL run that
-# follows on the same work directory with the real URLs is not a config change.
-NO_SERVERS = ("http://no-rollouts-in-this-run.invalid",)
-
-
-def _section(config, name: str) -> dict:
-  if isinstance(config, RecipeConfig):
-    return dataclasses.asdict(getattr(config, name))
-  value = config.get(name) if hasattr(config, "get") else None
-  return config_utils.to_dict(value) if value is not None else {}
-
-
-def generates(config, stages: Sequence[str] | None) -> bool:
-  """Whether a run of `stages` (None: all) builds rollout engines: an RL stage with
-  steps, the final evaluation, or SFT's evaluation (eval.after_sft). `config` is a
-  RecipeConfig or its section (ConfigDict or dict; a missing key is the default)."""
-  wanted = set(stages or ALL_STAGES)
-  if "eval" in wanted:
-    return True
-  defaults = {f.name: f.default_factory() for f in dataclasses.fields(RecipeConfig)
-               if f.name in RL_STAGES}   # stage1 runs by default; stages 2 and 3 do not
-  for name in RL_STAGES:
-    if name in wanted and _section(config, name).get("num_steps",
-                                                      defaults[name].num_steps) > 0:
-      return True
-  if "sft" in wanted:
-    sft, ev = _section(config, "sft"), _section(config, "eval")
-    return bool(sft.get("enabled", SFTStage.enabled) and ev.get("after_sft",
-                                                                 EvalStage.after_sft))
-  return False
 
 
 # ---- set-up -------------------------------------------------------------------------
 @dataclasses.dataclass
 class Context:
   """What the stages share: config, tokenizer, protocol, data, tools, engines, mesh."""
-  config: RecipeConfig
+  config: recipe_config.RecipeConfig
   workdir: str
   tokenizer: Any
   proto: chat.ChatProtocol
@@ -240,7 +69,7 @@ class Context:
     return self.engines
 
 
-def initial_model(cfg: RecipeConfig, tokenizer, mesh, rules=sharding.DEFAULT_RULES):
+def initial_model(cfg: recipe_config.RecipeConfig, tokenizer, mesh, rules=sharding.DEFAULT_RULES):
   """config.model: a HF checkpoint, or a preset (random init) sized to the tokenizer."""
   mc = cfg.model
   overrides = model_config.overrides_of(mc)
@@ -265,7 +94,7 @@ def initial_model(cfg: RecipeConfig, tokenizer, mesh, rules=sharding.DEFAULT_RUL
   return sharding.shard_model(qwen3.create_model(qcfg, seed=cfg.seed), mesh, rules)
 
 
-def runtime_overrides(cfg: RecipeConfig) -> dict[str, Any]:
+def runtime_overrides(cfg: recipe_config.RecipeConfig) -> dict[str, Any]:
   overrides = model_config.overrides_of(cfg.model)
   return {k: v for k, v in overrides.items() if k in model_config.RUNTIME_FIELDS}
 
@@ -289,7 +118,7 @@ def export(ctx: Context, model, stage: str) -> str:
   return path
 
 
-def build_context(cfg: RecipeConfig, tools, workdir: str | None = None, tokenizer=None
+def build_context(cfg: recipe_config.RecipeConfig, tools, workdir: str | None = None, tokenizer=None
                   ) -> Context:
   workdir = workdir or os.path.abspath(cfg.workdir)
   mesh, rules = cfg.mesh.make(), cfg.mesh.logical_rules()
@@ -333,7 +162,7 @@ def run_sft(ctx: Context, model):
   return model
 
 
-def hard_subset(ctx: Context, model, stage: str, stage_cfg: RLStage) -> list:
+def hard_subset(ctx: Context, model, stage: str, stage_cfg: recipe_config.RLStage) -> list:
   """Training problems the current policy does not solve k out of k (the
   rStar2-Agent report's stage 3, "Multi-Stage RL Training": 8 of 8).
 
@@ -385,7 +214,7 @@ def _read_json(path: str) -> dict | None:
   return obj if isinstance(obj, dict) else None
 
 
-def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
+def _unsolved(ctx: Context, engines, stage_cfg: recipe_config.RLStage, cache: str,
               made_with: dict) -> list[str]:
   pool = ctx.train_problems[:stage_cfg.hard_pool or len(ctx.train_problems)]
   # Resumable (8 rollouts of every training problem: many hours at 14B); a signal stops
@@ -411,7 +240,7 @@ def _unsolved(ctx: Context, engines, stage_cfg: RLStage, cache: str,
 
 def run_rl_stage(ctx: Context, stage: str, model, prev_stage: str | None):
   c = ctx.config
-  sc: RLStage = getattr(c, stage)
+  sc: recipe_config.RLStage = getattr(c, stage)
   problems = ctx.train_problems
   if sc.hard_only:
     problems = hard_subset(ctx, model, stage, sc)
@@ -578,23 +407,24 @@ def _keep_previous_report(path: str, samples: str, text: str) -> None:
 
 # ---- orchestration -------------------------------------------------------------------
 def _check_stages(stages: Sequence[str] | None) -> list[str]:
-  wanted = list(stages or ALL_STAGES)
-  unknown = sorted(set(wanted) - set(ALL_STAGES))
+  wanted = list(stages or recipe_config.ALL_STAGES)
+  unknown = sorted(set(wanted) - set(recipe_config.ALL_STAGES))
   if unknown:
-    raise config_utils.ConfigError(f"stages: unknown {unknown}; known {list(ALL_STAGES)}")
+    raise config_utils.ConfigError(
+        f"stages: unknown {unknown}; known {list(recipe_config.ALL_STAGES)}")
   return wanted
 
 
-def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[str]:
+def plan(cfg: recipe_config.RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[str]:
   """The stages this run will execute, in order; says which are done or skipped."""
   wanted = _check_stages(stages)
   todo = []
-  for stage in ALL_STAGES:
+  for stage in recipe_config.ALL_STAGES:
     if stage not in wanted:
       continue
     if stage == "sft" and not cfg.sft.enabled:
       print("sft: disabled (config.sft.enabled=False)")
-    elif stage in RL_STAGES and getattr(cfg, stage).num_steps <= 0:
+    elif stage in recipe_config.RL_STAGES and getattr(cfg, stage).num_steps <= 0:
       print(f"{stage}: 0 steps, skipped")
     elif (stage == "sft" and workdir_state.stage_done(workdir, stage) and cfg.eval.after_sft
           and not os.path.exists(os.path.join(workdir, "eval_after_sft.json"))):
@@ -621,7 +451,7 @@ def plan(cfg: RecipeConfig, workdir: str, stages: Sequence[str] | None) -> list[
   return todo
 
 
-def _check_eval_data(cfg: RecipeConfig, why: str) -> None:
+def _check_eval_data(cfg: recipe_config.RecipeConfig, why: str) -> None:
   # Said now: without problems the evaluation fails after the stages before it have run
   # (and after every rerun's SFT evaluation, so RL is never reached).
   if cfg.data.kind == "files" and not cfg.data.eval_files:
@@ -634,7 +464,7 @@ def _check_eval_data(cfg: RecipeConfig, why: str) -> None:
         f"this run evaluates ({why}) but config.data.toy.eval_problems is 0")
 
 
-def start_distributed(cfg: RecipeConfig) -> None:
+def start_distributed(cfg: recipe_config.RecipeConfig) -> None:
   """Joins the job's other processes (config.distributed, JAX_* env, SLURM), if any."""
   if distributed.initialize(cfg.distributed) and cfg.rollout.backend == "jax":
     raise config_utils.ConfigError(
@@ -656,7 +486,7 @@ def local_device_memory() -> tuple[float, float, str]:
   return ram, 0.9, "the host's memory (CPU devices)"
 
 
-def check_rollout_memory(cfg: RecipeConfig) -> None:
+def check_rollout_memory(cfg: recipe_config.RecipeConfig) -> None:
   """The cheap part of `experiments.preflight`, run at start: the in-process engines'
   KV cache (rollout.backend="jax": on this process's first device beside the train
   state, or its share of each device on a mesh) against that device's memory (on a CPU
@@ -700,14 +530,14 @@ def check_rollout_memory(cfg: RecipeConfig) -> None:
         "checks a layout before launch)")
 
 
-def _tools(cfg: RecipeConfig):
+def _tools(cfg: recipe_config.RecipeConfig):
   """The tool executor; tools run where rollouts are generated, on process 0."""
   if distributed.is_main():
     return tools_lib.build_tools(cfg.tools)
   return contextlib.nullcontext(None)
 
 
-def _check_files(cfg: RecipeConfig) -> None:
+def _check_files(cfg: recipe_config.RecipeConfig) -> None:
   """Data files named in the config exist: said now, not after the sandbox has started
   and the model (14B) has loaded."""
   named = [("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files),
@@ -728,7 +558,7 @@ def _check_files(cfg: RecipeConfig) -> None:
 def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the recipe; returns the evaluation reports by name."""
   _check_stages(stages)   # before the workdir and config.json are written
-  cfg = build_config(config, stages or ALL_STAGES)
+  cfg = recipe_config.build_config(config, stages or recipe_config.ALL_STAGES)
   _check_files(cfg)
   hf_dir = cfg.model.hf_dir
   if hf_dir and not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -736,7 +566,7 @@ def run(config, stages: Sequence[str] | None = None) -> dict[str, Any]:
     raise config_utils.ConfigError(f"config.model.hf_dir={hf_dir}: no config.json there (a "
                                    "Hugging Face checkpoint directory is expected)")
   start_distributed(cfg)
-  if generates(cfg, stages):
+  if recipe_config.generates(cfg, stages):
     check_rollout_memory(cfg)
   if distributed.is_main():   # a sandbox that cannot start here: said before any work
     tools_lib.check_local_sandbox(cfg.tools)
@@ -753,12 +583,12 @@ def _file_defaults() -> tuple[str, dict] | None:
     return None
   spec, config = file_config
   try:
-    return spec, json.loads(workdir_state.resolved_json(build_config(config)))
+    return spec, json.loads(workdir_state.resolved_json(recipe_config.build_config(config)))
   except (TypeError, ValueError):
     return None
 
 
-def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, Any]:
+def _run_locked(cfg: recipe_config.RecipeConfig, stages: Sequence[str] | None) -> dict[str, Any]:
   workdir, config_path = workdir_state.check_workdir(cfg)
   if distributed.is_main():
     print(config_utils.summary(json.loads(workdir_state.resolved_json(cfg)), config_path,
@@ -778,7 +608,8 @@ def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, An
     finally:
       if ctx.engines is not None:
         ctx.engines.stop()
-    plot = progress_plot.plot_rl_progress(workdir, RL_STAGES) if distributed.is_main() else None
+    plot = (progress_plot.plot_rl_progress(workdir, recipe_config.RL_STAGES)
+            if distributed.is_main() else None)
     if plot:
       print(f"plot: {plot}")
     if stop.requested:
@@ -786,7 +617,7 @@ def _run_locked(cfg: RecipeConfig, stages: Sequence[str] | None) -> dict[str, An
   return reports
 
 
-def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
+def _run_stages(cfg: recipe_config.RecipeConfig, ctx: Context, workdir: str, todo: list[str],
                 stop: interrupt.StopRequests):
   """The stages in `todo`; a signal stops the run after the stage in flight, or, in an
   evaluation or the stage-3 filter (hours at 14B), at its next finished trajectory: the
@@ -826,7 +657,7 @@ def _run_stages(cfg: RecipeConfig, ctx: Context, workdir: str, todo: list[str],
         if distributed.is_main():
           print(reports["after_sft"].to_table())
     else:
-      model = run_rl_stage(ctx, stage, model, prev if prev in RL_STAGES else None)
+      model = run_rl_stage(ctx, stage, model, prev if prev in recipe_config.RL_STAGES else None)
     check_stop(stage)
   if "eval" in todo:
     if model is None:
@@ -856,7 +687,7 @@ def evaluate_hf_dir(config, hf_dir: str):
   """Evaluates a HF export with the tokenizer saved beside its weights (the one it was
   trained with); the report records the directory and seed (<workdir>/eval_hf_dir.json)."""
   from rstar_jax.model import tokenizer as tokenizer_lib
-  cfg = build_config(config)
+  cfg = recipe_config.build_config(config)
   start_distributed(cfg)
   if not os.path.exists(os.path.join(hf_dir, "config.json")):
     raise config_utils.ConfigError(f"--hf_dir {hf_dir}: no config.json (not a HF export)")

@@ -21,8 +21,9 @@ from absl import logging
 
 from rstar_jax import config_utils, distributed
 
-# `cfg` below is a stages.RecipeConfig, typed Any: stages imports this module, and this
-# one reads only the config's workdir and allow_config_change fields and its JSON.
+# `cfg` below is a recipe_config.RecipeConfig, typed Any: recipe_config imports this
+# module (STAGE_DIRS), and this one reads only the config's workdir and
+# allow_config_change fields and its JSON.
 # The stages that leave a directory <workdir>/<stage>/ (checkpoints, the export,
 # DONE.json), in run order; the final evaluation leaves reports beside them.
 STAGE_DIRS = ("sft", "stage1", "stage2", "stage3")

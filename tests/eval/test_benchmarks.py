@@ -270,11 +270,11 @@ def test_csv_rows_a_bom_and_a_row_with_too_many_cells(tmp_path):
 
 def test_the_14b_eval_config_builds_with_the_report_protocol():
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   c = config_utils._load_config_file(
       os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "configs",
                    "eval_rstar2_agent_14b.py"))
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   assert suite.protocol("config", cfg.eval) == suite.protocol("report", cfg.eval)
   assert cfg.rollout.backend == "sglang"
   assert cfg.eval.agent.max_response_tokens < cfg.rollout.engine.max_len   # backend jax too

@@ -105,10 +105,11 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
   from experiments.configs import toy
   from rstar_jax import config_utils
   from rstar_jax.recipe import stages
+  from rstar_jax.recipe import recipe_config
   c = toy.get_config("smoke")
   c.data.kind, c.data.train_files = "files", ("train.jsonl",)
   c.eval.after_sft = True
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   workdir = str(tmp_path)
   with pytest.raises(config_utils.ConfigError,
                      match=r"\(the eval stage\) but config.data.eval_files is empty"):
@@ -117,8 +118,8 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
                      match=r"\(config.eval.after_sft\) but config.data.eval_files is empty"):
     stages.plan(cfg, workdir, ["sft"])
   c.eval.after_sft = False
-  assert stages.plan(stages.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
+  assert stages.plan(recipe_config.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
   c = toy.get_config("smoke")
   c.data.toy.eval_problems = 0
   with pytest.raises(config_utils.ConfigError, match="config.data.toy.eval_problems is 0"):
-    stages.plan(stages.build_config(c), workdir, ["eval"])
+    stages.plan(recipe_config.build_config(c), workdir, ["eval"])

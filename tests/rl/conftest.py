@@ -4,6 +4,7 @@ import pytest
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.rollout import backends
 
 
@@ -16,7 +17,7 @@ class OkTools:
 def smoke_rl(tmp_path_factory):
   """(config, context, model, engine pool, work root) of toy.py:smoke."""
   root = tmp_path_factory.mktemp("smoke_rl")
-  cfg = stages.build_config(toy.get_config("smoke"))
+  cfg = recipe_config.build_config(toy.get_config("smoke"))
   ctx = stages.build_context(cfg, OkTools(), workdir=str(root))
   model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)
   pool = backends.build_engine_pool(cfg.rollout, model, workdir=str(root))

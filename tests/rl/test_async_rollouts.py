@@ -22,6 +22,7 @@ import pytest
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import batching, rollout_collector
 from rstar_jax.rl import train_step as ts
@@ -50,7 +51,7 @@ def setup(tmp_path_factory):
   c.rl.update(prompts_per_step=4, samples_per_prompt=4)
   c.rl.downsample.update(group_size=2)
   c.stage1.agent.max_response_tokens = 32
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   tools = Tools()
   ctx = stages.build_context(cfg, tools, workdir=str(root))
   model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)

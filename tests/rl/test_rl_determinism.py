@@ -16,6 +16,7 @@ import numpy as np
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.rl import rollout_collector
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import backends
@@ -66,7 +67,7 @@ def _run(root, stagger: bool, resume: bool = False):
   # would otherwise prefill up to 4 requests per call and attend to length buckets
   # (the switch overrides both): without the switch this test fails.
   c.rollout.engine.update(num_slots=4, max_len=768, prefill_batch_tokens=1024)
-  cfg = stages.build_config(c)
+  cfg = recipe_config.build_config(c)
   tools = Tools(stagger)
   ctx = stages.build_context(cfg, tools, workdir=str(root))
   model = stages.initial_model(cfg, ctx.tokenizer, ctx.mesh, ctx.rules)

@@ -8,6 +8,7 @@ import pytest
 
 from experiments.configs import toy
 from rstar_jax.recipe import stages
+from rstar_jax.recipe import recipe_config
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
@@ -20,7 +21,7 @@ class _Tools:
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
   root = tmp_path_factory.mktemp("sft_trainer")
-  cfg = stages.build_config(toy.get_config("smoke"))
+  cfg = recipe_config.build_config(toy.get_config("smoke"))
   ctx = stages.build_context(cfg, _Tools(), workdir=str(root))
   return cfg, ctx, stages.sft_pairs(ctx), root
 
