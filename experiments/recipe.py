@@ -5,7 +5,7 @@ Runs (or resumes) the multi-stage recipe: SFT -> RL stages 1-3 -> evaluation.
 `--stages=sft,stage1` runs only those stages (finished stages are always skipped).
 The whole config is checked before anything runs and written to <workdir>/config.json;
 what it changes from the config file's own values is printed; a changed config against
-finished stages is refused (see rstar_jax/recipe/stages.py).
+finished stages is refused (see rstar_jax/recipe/workdir_state.py).
 """
 from absl import flags
 from ml_collections import config_flags

@@ -283,9 +283,9 @@ def render_config() -> str:
       f"Generated from the code by `{COMMAND}`; do not edit by hand",
       "(`tests/test_reference_pages.py` fails when this page is out of date).", "",
       "Every field of the recipe's config tree, `RecipeConfig` in "
-      f"{_source_link(recipe_config.RecipeConfig)}. Each section holds the keyword arguments "
-      "of the dataclass it builds ([architecture](../architecture.md), \"From config to code\"); set "
-      "a field on the command line by its path, e.g. `--config.rl.loss.eps_high=0.28`. Defaults "
+      f"{_source_link(recipe_config.RecipeConfig)}. Each section holds the keyword "
+      "arguments of the dataclass it builds ([architecture](../architecture.md), "
+      "\"From config to code\"); set a field on the command line by its path, e.g. `--config.rl.loss.eps_high=0.28`. Defaults "
       "are the dataclasses' own (`stage2` and `stage3` default to 0 steps); the config files "
       "in `experiments/configs/` set their own. The description is the first sentence of what "
       "the field's code says (its docstring entry, or its comment); the section's source file "

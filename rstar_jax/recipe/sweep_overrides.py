@@ -172,8 +172,9 @@ def validate(points: Sequence[Mapping[str, Any]], config,
   (`--config.k=<format_value(v)>`, parsed as the point's entry point parses it);
   reserved keys (workdir), None values, bools for non-bool fields and duplicate points
   are refused. With `build` (the entry point's config builder, e.g.
-  `recipe_config.build_config`), each point's whole config is built too, so that a value its dataclass refuses (an
-  unknown method, a negative step count) stops the sweep before any point runs."""
+  `recipe_config.build_config`), each point's whole config is built too, so that a value
+  its dataclass refuses (an unknown method, a negative step count) stops the sweep
+  before any point runs."""
   seen: dict[str, int] = {}
   read_back: set[tuple[str, str]] = set()   # (key, flag text) already checked: once each
   for i, p in enumerate(points):
