@@ -43,8 +43,7 @@ def main(argv):
   import numpy as np
   from flax import nnx
   from rstar_jax.model import hf_io
-  from rstar_jax.recipe import stages
-  from rstar_jax.recipe import recipe_config
+  from rstar_jax.recipe import recipe_config, stages
   from rstar_jax.data import data_config, toy_task
 
   import dataclasses

@@ -16,8 +16,7 @@ _STAGE = flags.DEFINE_list("stage", ["stage1"], "RL stage(s) to run: stage1,stag
 
 def main(argv):
   del argv
-  from rstar_jax.recipe import stages
-  from rstar_jax.recipe import recipe_config
+  from rstar_jax.recipe import recipe_config, stages
   bad = set(_STAGE.value) - set(recipe_config.RL_STAGES)
   if bad:
     raise config_utils.ConfigError(

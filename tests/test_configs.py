@@ -14,8 +14,7 @@ import typing
 import pytest
 
 from rstar_jax import config_utils
-from rstar_jax.recipe import stages
-from rstar_jax.recipe import recipe_config
+from rstar_jax.recipe import recipe_config, stages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")

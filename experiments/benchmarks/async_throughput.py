@@ -84,8 +84,7 @@ def measure(k_values, steps: int, tool_delay_s: float, engines: str = "process",
   import dataclasses
   from experiments.configs import toy
   from rstar_jax.model import hf_io
-  from rstar_jax.recipe import stages
-  from rstar_jax.recipe import recipe_config
+  from rstar_jax.recipe import recipe_config, stages
   from rstar_jax.rl import async_rollouts as async_lib
   from rstar_jax.rl import trainer as rl_trainer
   from rstar_jax.rollout import backends

@@ -285,11 +285,11 @@ def render_config() -> str:
       "Every field of the recipe's config tree, `RecipeConfig` in "
       f"{_source_link(recipe_config.RecipeConfig)}. Each section holds the keyword "
       "arguments of the dataclass it builds ([architecture](../architecture.md), "
-      "\"From config to code\"); set a field on the command line by its path, e.g. `--config.rl.loss.eps_high=0.28`. Defaults "
-      "are the dataclasses' own (`stage2` and `stage3` default to 0 steps); the config files "
-      "in `experiments/configs/` set their own. The description is the first sentence of what "
-      "the field's code says (its docstring entry, or its comment); the section's source file "
-      "has the rest.", "",
+      "\"From config to code\"); set a field on the command line by its path, e.g. "
+      "`--config.rl.loss.eps_high=0.28`. Defaults are the dataclasses' own (`stage2` and "
+      "`stage3` default to 0 steps); the config files in `experiments/configs/` set their "
+      "own. The description is the first sentence of what the field's code says (its "
+      "docstring entry, or its comment); the section's source file has the rest.", "",
       f"{len(fields)} fields in {len(secs)} sections; {len(missing)} without a description in "
       "the code.", "",
       "Sections: " + ", ".join(f"[{s.path or 'top level'}](#{_anchor(s.path)})" for s in secs)

@@ -104,8 +104,7 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
   records, and with eval.after_sft every rerun failed again before reaching RL."""
   from experiments.configs import toy
   from rstar_jax import config_utils
-  from rstar_jax.recipe import stages
-  from rstar_jax.recipe import recipe_config
+  from rstar_jax.recipe import recipe_config, stages
   c = toy.get_config("smoke")
   c.data.kind, c.data.train_files = "files", ("train.jsonl",)
   c.eval.after_sft = True
@@ -118,7 +117,8 @@ def test_a_planned_evaluation_without_eval_data_is_refused_up_front(tmp_path):
                      match=r"\(config.eval.after_sft\) but config.data.eval_files is empty"):
     stages.plan(cfg, workdir, ["sft"])
   c.eval.after_sft = False
-  assert stages.plan(recipe_config.build_config(c), workdir, ["sft"]) == ["sft"]   # no evaluation
+  # No evaluation planned.
+  assert stages.plan(recipe_config.build_config(c), workdir, ["sft"]) == ["sft"]
   c = toy.get_config("smoke")
   c.data.toy.eval_problems = 0
   with pytest.raises(config_utils.ConfigError, match="config.data.toy.eval_problems is 0"):

@@ -3,8 +3,7 @@ that answer every call with "1" (the tiny random policy rarely writes one)."""
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages
-from rstar_jax.recipe import recipe_config
+from rstar_jax.recipe import recipe_config, stages
 from rstar_jax.rollout import backends
 
 

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages
-from rstar_jax.recipe import recipe_config
+from rstar_jax.recipe import recipe_config, stages
 from rstar_jax.rl import async_rollouts as async_lib
 from rstar_jax.rl import batching, rollout_collector
 from rstar_jax.rl import train_step as ts

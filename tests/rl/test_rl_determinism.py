@@ -15,8 +15,7 @@ import jax
 import numpy as np
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages
-from rstar_jax.recipe import recipe_config
+from rstar_jax.recipe import recipe_config, stages
 from rstar_jax.rl import rollout_collector
 from rstar_jax.rl import trainer as rl_trainer
 from rstar_jax.rollout import backends

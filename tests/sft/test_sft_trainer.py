@@ -7,8 +7,7 @@ import signal
 import pytest
 
 from experiments.configs import toy
-from rstar_jax.recipe import stages
-from rstar_jax.recipe import recipe_config
+from rstar_jax.recipe import recipe_config, stages
 from rstar_jax.sft import trainer as sft_trainer
 from rstar_jax.train import interrupt
 
