@@ -86,7 +86,8 @@ class ToyDataConfig:
   """The toy arithmetic tool task (`data/toy_task.py`).
 
   Attributes:
-    levels: difficulty levels to draw from (1..5).
+    levels: difficulty levels to draw from (1..5; 0 is two-digit operands, for a
+      first run whose tiny model must learn to copy them fast).
     kinds: problem kinds (empty: all of them).
     train_problems / eval_problems: how many of each (eval drawn with another seed).
   """
@@ -96,10 +97,10 @@ class ToyDataConfig:
   eval_problems: int = 128
 
   def __post_init__(self):
-    bad = [l for l in self.levels if not 1 <= l <= toy_task.NUM_LEVELS]
+    bad = [l for l in self.levels if not toy_task.MIN_LEVEL <= l <= toy_task.NUM_LEVELS]
     if not self.levels or bad:
-      raise ValueError(f"ToyDataConfig.levels must be a non-empty subset of 1.."
-                       f"{toy_task.NUM_LEVELS}, got {self.levels}")
+      raise ValueError(f"ToyDataConfig.levels must be a non-empty subset of "
+                       f"{toy_task.MIN_LEVEL}..{toy_task.NUM_LEVELS}, got {self.levels}")
     unknown = sorted(set(self.kinds) - set(toy_task.kinds()))
     if unknown:
       raise ValueError(f"ToyDataConfig.kinds: unknown {unknown}; known {list(toy_task.kinds())}")

@@ -2,7 +2,9 @@
 
 Problems are integer arithmetic a small model cannot do in its head but can with one
 Python call: products, sums, modular powers and digit sums of 2-5 digit numbers,
-at difficulty levels 1..NUM_LEVELS (more digits, more terms).
+at difficulty levels 1..NUM_LEVELS (more digits, more terms). Level 0 (two-digit
+operands, drawn only when asked for) is for a first run: its 90 two-digit numbers are
+each a token seen often in SFT, so a tiny model learns to copy them within ~250 steps.
 
 SFT traces are chat messages in the rStar2 format (the release's chat template): the assistant
 reasons after the generation prompt's `<reason>`, calls the Python tool, reads the
@@ -37,6 +39,8 @@ from rstar_jax.registry import Registry
 from rstar_jax.rollout import chat
 
 NUM_LEVELS = 5
+# Level 0 is opt-in (ToyDataConfig.levels=(0,)): `generate_problems` draws 1..NUM_LEVELS.
+MIN_LEVEL = 0
 VARIANTS = ("clean", "bug_fixed", "no_tool")
 BUG_KINDS = ("syntax", "name")
 TOY_TOOL_NAME = "python"
@@ -78,13 +82,13 @@ def _num(rng: random.Random, digits: int) -> int:
 
 
 def _check_level(level: int) -> int:
-  if not isinstance(level, int) or not 1 <= level <= NUM_LEVELS:
-    raise ValueError(f"level must be an int in 1..{NUM_LEVELS}, got {level!r}")
+  if not isinstance(level, int) or not MIN_LEVEL <= level <= NUM_LEVELS:
+    raise ValueError(f"level must be an int in {MIN_LEVEL}..{NUM_LEVELS}, got {level!r}")
   return level
 
 
 # Digits of the two factors per level, shared by the product-like kinds.
-_FACTOR_DIGITS = {1: (3, 3), 2: (4, 3), 3: (4, 4), 4: (5, 4), 5: (5, 5)}
+_FACTOR_DIGITS = {0: (2, 2), 1: (3, 3), 2: (4, 3), 3: (4, 4), 4: (5, 4), 5: (5, 5)}
 
 
 @register("product")
@@ -96,7 +100,7 @@ def _product(rng: random.Random, level: int) -> tuple[str, str, int]:
 
 @register("sum")
 def _sum(rng: random.Random, level: int) -> tuple[str, str, int]:
-  count, digits = {1: (2, 4), 2: (3, 4), 3: (4, 4), 4: (4, 5), 5: (5, 5)}[level]
+  count, digits = {0: (2, 2), 1: (2, 4), 2: (3, 4), 3: (4, 4), 4: (4, 5), 5: (5, 5)}[level]
   terms = [_num(rng, digits) for _ in range(count)]
   expr = "+".join(map(str, terms))
   return f"What is {expr}?", expr, sum(terms)
@@ -104,7 +108,7 @@ def _sum(rng: random.Random, level: int) -> tuple[str, str, int]:
 
 @register("modpow")
 def _modpow(rng: random.Random, level: int) -> tuple[str, str, int]:
-  da, db, dm = {1: (2, 2, 3), 2: (3, 2, 3), 3: (3, 3, 4), 4: (4, 3, 4), 5: (5, 4, 5)}[level]
+  da, db, dm = {0: (2, 1, 2), 1: (2, 2, 3), 2: (3, 2, 3), 3: (3, 3, 4), 4: (4, 3, 4), 5: (5, 4, 5)}[level]
   a, b, m = _num(rng, da), _num(rng, db), _num(rng, dm)
   # The code spells the problem's expression out as it stands (not pow(a, b, m)):
   # see `make_problem`.
