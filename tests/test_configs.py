@@ -19,6 +19,7 @@ from rstar_jax.recipe import recipe_config, stages
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(REPO, "experiments/configs/toy.py")
 CONFIGS = ["experiments/configs/toy.py", "experiments/configs/toy.py:smoke",
+           "experiments/configs/toy.py:first_run",
            "experiments/configs/toy_roc_ablation.py",
            "experiments/configs/toy_async_ablation.py",
            "experiments/configs/rstar2_agent_14b.py"]
@@ -223,6 +224,8 @@ def test_toy_levels_and_kinds_select_the_problems():
   assert {p.meta["level"] for p in train + evals} == {1}
   with pytest.raises(ValueError, match=r"kinds: unknown \['cube'\]"):
     data_config.ToyDataConfig(kinds=("product", "cube"))
+  with pytest.raises(ValueError, match=r"levels must be a non-empty subset of 0\.\.5, got \(0, 6\)"):
+    data_config.ToyDataConfig(levels=(0, 6))
 
 
 def test_chat_protocol_is_an_explicit_section():

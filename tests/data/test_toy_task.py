@@ -51,6 +51,15 @@ def test_problems_are_seeded_and_answers_correct():
     assert expr in p.code, (p.problem, p.code)
 
 
+def test_level_0_has_two_digit_operands_and_is_drawn_only_when_asked_for():
+  for kind in ("product", "sum", "digit_sum", "modpow"):
+    for p in toy_task.generate_problems(40, seed=2, levels=[0], kinds=[kind]):
+      numbers = re.findall(r"\d+", p.problem)
+      assert all(len(n) <= 2 for n in numbers), p.problem
+      assert _exec_stdout(p.code) == f"{p.answer}\n"
+  assert 0 not in {p.level for p in toy_task.generate_problems(300, seed=3)}
+
+
 def test_levels_make_problems_harder():
   rng = random.Random(0)
   for kind in ("product", "sum", "digit_sum", "modpow"):
@@ -66,8 +75,10 @@ def test_levels_make_problems_harder():
 
 
 def test_bad_problem_arguments():
-  with pytest.raises(ValueError, match=r"level must be an int in 1..5, got 6"):
+  with pytest.raises(ValueError, match=r"level must be an int in 0\.\.5, got 6"):
     toy_task.generate_problems(3, seed=0, levels=[6])
+  with pytest.raises(ValueError, match=r"level must be an int in 0\.\.5, got -1"):
+    toy_task.generate_problems(3, seed=0, levels=[-1])
   with pytest.raises(ValueError, match="unknown toy problem kind 'cube'; known:"):
     toy_task.generate_problems(3, seed=0, kinds=["cube"])
   with pytest.raises(ValueError, match="already registered"):
