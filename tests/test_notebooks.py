@@ -1,7 +1,7 @@
 """The notebooks (notebooks/*.ipynb) run headless with papermill on tiny inputs built
 here: each has a cell tagged `parameters` that papermill overrides, and any error in
-any cell fails the test. Inputs: none for the quickstart (00 runs the smoke recipe into a
-fresh work directory, as from a fresh clone), a sweep directory written through
+any cell fails the test. Inputs: none for the quickstart (00 runs the README's first run
+into a fresh work directory, as from a fresh clone), a sweep directory written through
 rstar_jax.recipe.sweep_points' own writers (01, 05), a random tiny toy policy with toy
 traces (02), and the JSON of the three benchmarks run at tiny sizes (03)."""
 from __future__ import annotations
@@ -170,14 +170,15 @@ def test_02_entropy_on_a_tiny_policy(toy_policy, tmp_path):
 
 
 def test_00_quickstart_runs_from_a_fresh_work_directory(tmp_path):
-  """No prior run, no export: the notebook runs the smoke recipe itself, then rolls out
-  the model it trained with the sandbox and scores it."""
+  """No prior run, no export: the notebook runs the README's first run itself, then rolls
+  out the model it trained with the sandbox and scores it."""
   workdir = tmp_path / "fresh"
   nb = _run("00_quickstart", tmp_path, workdir=str(workdir), num_problems=2,
             samples_per_problem=2)
   text = _text(nb)
-  assert "$ python -m experiments.recipe --config experiments/configs/toy.py:smoke" in text
-  assert "Evaluation: final (4 problems, 8 samples)" in text and "pass@1" in text
+  assert "$ python -m experiments.recipe --config experiments/configs/toy.py:first_run" in text
+  assert "Evaluation: after_sft (32 problems, 128 samples)" in text
+  assert "Evaluation: final (32 problems, 128 samples)" in text and "pass@1 after SFT" in text
   assert os.path.isdir(workdir / "stage1" / "export")
   assert "step 1: reward_mean" in text   # the RL stage's rows, and their plot
   assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))

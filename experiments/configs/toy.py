@@ -19,7 +19,7 @@ Variants (`--config experiments/configs/toy.py:VARIANT`):
           53.1% final; 78 s wall, 123 s CPU.
   smoke   a 2-layer x 64 model, 162 SFT steps and 2 RL steps whose rollouts call the tool
           and run the calls in the sandbox: the whole pipeline, what tests/test_recipe.py
-          and notebooks/00_quickstart.ipynb run. Result (2026-11-28, a quiet 2-core AMD
+          and most tests that run the recipe use. Result (2026-11-28, a quiet 2-core AMD
           EPYC family 26, AVX-512 host, load 0.1-1.7): tool error rate 0.20 / 0.32 at
           0.78 / 0.73 calls a trajectory, reward 0.062 / 0.047 (chance: the operands are
           not copied yet), final pass@1 0.0% (4 problems x 2); 43-49 s wall, 68-76 s CPU.
