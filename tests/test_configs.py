@@ -224,7 +224,8 @@ def test_toy_levels_and_kinds_select_the_problems():
   assert {p.meta["level"] for p in train + evals} == {1}
   with pytest.raises(ValueError, match=r"kinds: unknown \['cube'\]"):
     data_config.ToyDataConfig(kinds=("product", "cube"))
-  with pytest.raises(ValueError, match=r"levels must be a non-empty subset of 0\.\.5, got \(0, 6\)"):
+  with pytest.raises(ValueError,
+                     match=r"levels must be a non-empty subset of 0\.\.5, got \(0, 6\)"):
     data_config.ToyDataConfig(levels=(0, 6))
 
 

@@ -65,14 +65,16 @@ def test_the_first_run_makes_tool_calls_that_run_and_its_reward_rises(tmp_path):
   Directions and loose bounds, not this host's figures: every CPU kind rounds its own
   way and samples its own trajectories (docs/testing.md). On the README's 2-core EPYC
   the fitted line over the 20 RL steps raises the reward by 0.19 and lowers the share
-  of answers without a call by 0.27, and pass@1 goes from 41.4% after SFT to 53.1%;
-  under the emulated other rounding: 0.16, 0.25 and 39.1% -> 57.8%.
+  of answers without a call by 0.27, and pass@1 goes from 45.7% after SFT to 59.8%;
+  under two emulated other roundings: 0.16, 0.25 and 45.3% -> 62.5%;
+  GTASK_FIGURES. The margins below are 2.5 or more standard errors from those figures
+  (a fitted change over 20 steps of 64 trajectories: ~0.06; pass@1 over 256: ~0.03).
   """
   workdir = tmp_path / "first_run"
   p = subprocess.run([sys.executable, "-m", "experiments.recipe", "--config",
                       "experiments/configs/toy.py:first_run", f"--config.workdir={workdir}"],
                      cwd=REPO, env=procs.cpu_env(PYTHONPATH=REPO), capture_output=True,
-                     text=True, timeout=900)
+                     text=True, timeout=780)   # below pytest's 900 s: its own message
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   with open(workdir / "stage1" / "metrics_rl.jsonl") as f:
     rows = [json.loads(line) for line in f if line.strip()]
@@ -92,13 +94,13 @@ def test_the_first_run_makes_tool_calls_that_run_and_its_reward_rises(tmp_path):
   assert mean("rollout/tool_error_rate") < 0.3, rows
   # RL raises the share of answers that call the tool, and the reward with it.
   assert fitted_change("rollout/no_tool_share") < -0.1, rows
-  assert fitted_change("rollout/reward_mean") > 0.05, rows
+  assert fitted_change("rollout/reward_mean") > 0.0, rows
   # SFT taught the copy: rewards well above what guesses get (~7%; always guessing the
   # most common digit sum, 18, ~16%).
   assert mean("rollout/reward_mean", rows[:5]) > 0.25, rows
   after = json.loads((workdir / "eval_after_sft.json").read_text())
   final = json.loads((workdir / "eval_final.json").read_text())
-  assert after["num_samples"] == final["num_samples"] == 128
+  assert after["num_samples"] == final["num_samples"] == 256
   assert final["pass_at_1"] > after["pass_at_1"], (after["pass_at_1"], final["pass_at_1"])
   assert final["share_no_tool_call"] < after["share_no_tool_call"]
   assert "pass@1 after SFT" in p.stdout + p.stderr

@@ -15,8 +15,8 @@ Variants (`--config experiments/configs/toy.py:VARIANT`):
           (two-digit operands), 405 SFT steps, 20 RL steps, evaluations after SFT and at
           the end on 32 problems x 4. Result (2026-11-28, a quiet 2-core AMD EPYC family
           26, AVX-512 host): reward 0.43 over RL steps 1-5 -> 0.55 over 16-20 as the share
-          of answers without a tool call falls 0.44 -> 0.23; pass@1 41.4% after SFT ->
-          53.1% final; 78 s wall, 123 s CPU.
+          of answers without a tool call falls 0.44 -> 0.24; pass@1 41.4% after SFT ->
+          53.1% final; 75-78 s wall.
   smoke   a 2-layer x 64 model, 162 SFT steps and 2 RL steps whose rollouts call the tool
           and run the calls in the sandbox: the whole pipeline, what tests/test_recipe.py
           and most tests that run the recipe use. Result (2026-11-28, a quiet 2-core AMD
@@ -97,17 +97,17 @@ def get_config(variant: str = ""):
              agent=dict(max_turns=6, max_response_tokens=256, temperature=1.0, top_p=1.0))
 
   if variant in ("smoke", "first_run"):
-    # A first run in ~1.5 min of CPU: SFT teaches the tiny model the tool-call format, so
-    # its RL rollouts make calls that the sandbox runs (tool error rate ~0.2-0.3, against
-    # 1.0 when 48 response tokens cut every call off and 60 SFT steps on 75% no-tool
-    # traces left them malformed). Head dim 64 instead of 16: after ~160 SFT steps the
-    # calls are well-formed JSON with runnable code. What ~160 SFT steps do not teach
-    # is copying the operands into the code (the full toy's 2 x 128 model needs ~300-400
-    # steps: docs/guides/toy_recipe.md), so the code computes the wrong product and the
-    # reward stays at chance: digit sums of level-1 products (3 x 3 digits) take few
-    # values (27 is 13% of problems), ~5% of answers are right either way. 8 prompts x 8
-    # samples then give each RL step groups with mixed rewards, hence non-zero
-    # advantages, gradients and Adam moments (the exact-resume tests check those).
+    # The smoke (and first_run's base), ~45 s: SFT teaches the tiny model the tool-call
+    # format, so its RL rollouts make calls that the sandbox runs (tool error rate ~0.2-0.3,
+    # against 1.0 when 48 response tokens cut every call off and 60 SFT steps on 75% no-tool
+    # traces left them malformed). Head dim 64 instead of 16: after ~160 SFT steps the calls
+    # are well-formed JSON with runnable code. What ~160 SFT steps do not teach is copying
+    # the operands into the code (the full toy's 2 x 128 model needs ~300-400 steps:
+    # docs/guides/toy_recipe.md), so the code computes the wrong product and the reward
+    # stays at chance: digit sums of level-1 products (3 x 3 digits) take few values (27 is
+    # 13% of problems), ~5% of answers are right either way. 8 prompts x 8 samples then give
+    # each RL step groups with mixed rewards, hence non-zero advantages, gradients and Adam
+    # moments (the exact-resume tests check those).
     c.model.update(preset="tiny", hidden_size=64, intermediate_size=128, head_dim=64)
     c.data.toy.update(train_problems=64, eval_problems=4, kinds=("digit_sum",), levels=(1,))
     # ~160 steps of 8 rows of 320 tokens (two traces a row).
@@ -126,7 +126,7 @@ def get_config(variant: str = ""):
     c.eval.agent.max_response_tokens = 96
   if variant == "first_run":
     # The smoke's pipeline on level-0 problems (two-digit operands: 90 number tokens,
-    # each copied into code ~125 times in 2.5 epochs of 2,250 tool traces, against the
+    # each copied into code ~120 times in 2.5 epochs of ~2,140 tool traces, against the
     # smoke's 900 three-digit ones, ~5 times each), which the same tiny model learns to
     # copy after ~270-320 SFT steps at a constant 3e-3
     # (experiments/toy_sft_curve.py: code p_copy 0.07 at step 270, 0.48 at 324, 0.78 at
@@ -136,7 +136,7 @@ def get_config(variant: str = ""):
     # 3e-3, not the toy's cosine 6e-3: over 2 epochs the cosine's decay left code p_copy
     # at 0.01, and a constant 6e-3 or 4e-3 reached only 0.16 or 0.07 by step 324.
     c.data.toy.levels = (0,)
-    c.data.toy.eval_problems = 32
+    c.data.toy.eval_problems = 64
     c.sft.epochs = 2.5
     c.sft.optimizer.update(schedule="warmup_constant", learning_rate=3e-3)
     c.rl.checkpoint_every = 10

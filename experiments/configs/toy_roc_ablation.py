@@ -34,6 +34,9 @@ SEEDS = (0, 1, 2)
 
 
 def get_config(variant: str = ""):
+  # Not toy.py's first_run: its level-0 problems are not what the SFT export was trained on.
+  if variant not in ("", "smoke"):
+    raise ValueError(f"toy_roc_ablation.py: unknown variant {variant!r}; known: smoke")
   c = toy.get_config(variant)
   c.workdir = "/tmp/roc_ablation/point"
   # One SFT model for every point: the sweep passes its export on the command line.

@@ -4,7 +4,7 @@ Problems are integer arithmetic a small model cannot do in its head but can with
 Python call: products, sums, modular powers and digit sums of 2-5 digit numbers,
 at difficulty levels 1..NUM_LEVELS (more digits, more terms). Level 0 (two-digit
 operands, drawn only when asked for) is for a first run: its 90 two-digit numbers are
-each a token seen often in SFT, so a tiny model learns to copy them within ~250 steps.
+each a token seen often in SFT, so a tiny model learns to copy them in ~270-320 steps.
 
 SFT traces are chat messages in the rStar2 format (the release's chat template): the assistant
 reasons after the generation prompt's `<reason>`, calls the Python tool, reads the
@@ -82,7 +82,7 @@ def _num(rng: random.Random, digits: int) -> int:
 
 
 def _check_level(level: int) -> int:
-  if not isinstance(level, int) or not MIN_LEVEL <= level <= NUM_LEVELS:
+  if type(level) is not int or not MIN_LEVEL <= level <= NUM_LEVELS:
     raise ValueError(f"level must be an int in {MIN_LEVEL}..{NUM_LEVELS}, got {level!r}")
   return level
 
@@ -108,7 +108,8 @@ def _sum(rng: random.Random, level: int) -> tuple[str, str, int]:
 
 @register("modpow")
 def _modpow(rng: random.Random, level: int) -> tuple[str, str, int]:
-  da, db, dm = {0: (2, 1, 2), 1: (2, 2, 3), 2: (3, 2, 3), 3: (3, 3, 4), 4: (4, 3, 4), 5: (5, 4, 5)}[level]
+  da, db, dm = {0: (2, 1, 2), 1: (2, 2, 3), 2: (3, 2, 3), 3: (3, 3, 4), 4: (4, 3, 4),
+                5: (5, 4, 5)}[level]
   a, b, m = _num(rng, da), _num(rng, db), _num(rng, dm)
   # The code spells the problem's expression out as it stands (not pow(a, b, m)):
   # see `make_problem`.
