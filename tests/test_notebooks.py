@@ -177,8 +177,8 @@ def test_00_quickstart_runs_from_a_fresh_work_directory(tmp_path):
             samples_per_problem=2)
   text = _text(nb)
   assert "$ python -m experiments.recipe --config experiments/configs/toy.py:first_run" in text
-  assert "Evaluation: after_sft (32 problems, 128 samples)" in text
-  assert "Evaluation: final (32 problems, 128 samples)" in text and "pass@1 after SFT" in text
+  assert "Evaluation: after_sft (64 problems, 256 samples)" in text
+  assert "Evaluation: final (64 problems, 256 samples)" in text and "pass@1 after SFT" in text
   assert os.path.isdir(workdir / "stage1" / "export")
   assert "step 1: reward_mean" in text   # the RL stage's rows, and their plot
   assert any(o.get("data", {}).get("image/png") for c in nb.cells for o in c.get("outputs", []))

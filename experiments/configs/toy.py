@@ -13,10 +13,10 @@ overridden, e.g. `--config.stage1.num_steps=5 --config.rl.optimizer.learning_rat
 Variants (`--config experiments/configs/toy.py:VARIANT`):
   first_run  the README's first run: the smoke's model and pipeline on level-0 problems
           (two-digit operands), 405 SFT steps, 20 RL steps, evaluations after SFT and at
-          the end on 32 problems x 4. Result (2026-11-28, a quiet 2-core AMD EPYC family
+          the end on 64 problems x 4. Result (2026-11-28, a quiet 2-core AMD EPYC family
           26, AVX-512 host): reward 0.43 over RL steps 1-5 -> 0.55 over 16-20 as the share
-          of answers without a tool call falls 0.44 -> 0.24; pass@1 41.4% after SFT ->
-          53.1% final; 75-78 s wall.
+          of answers without a tool call falls 0.44 -> 0.24; pass@1 45.7% after SFT ->
+          59.8% final; 78-79 s wall.
   smoke   a 2-layer x 64 model, 162 SFT steps and 2 RL steps whose rollouts call the tool
           and run the calls in the sandbox: the whole pipeline, what tests/test_recipe.py
           and most tests that run the recipe use. Result (2026-11-28, a quiet 2-core AMD
