@@ -66,9 +66,10 @@ def test_the_first_run_makes_tool_calls_that_run_and_its_reward_rises(tmp_path):
   way and samples its own trajectories (docs/testing.md). On the README's 2-core EPYC
   the fitted line over the 20 RL steps raises the reward by 0.19 and lowers the share
   of answers without a call by 0.27, and pass@1 goes from 45.7% after SFT to 59.8%;
-  under the two emulated other roundings (docs/testing.md): 512-bit vectors 0.16, 0.25
-  and 45.3% -> 62.5%; one core 0.20, 0.28 and 44.1% -> 59.8%. The margins below are 2.5 or more standard errors from those figures
-  (a fitted change over 20 steps of 64 trajectories: ~0.06; pass@1 over 256: ~0.03).
+  under the two emulated other roundings: 512-bit vectors 0.16, 0.25 and 45.3% ->
+  62.5%; one core 0.20, 0.28 and 44.1% -> 59.8%. The margins below are 2.5 or more
+  standard errors from those figures (a fitted change over 20 steps of 64
+  trajectories: ~0.06; pass@1 over 256 samples: ~0.03).
   """
   workdir = tmp_path / "first_run"
   p = subprocess.run([sys.executable, "-m", "experiments.recipe", "--config",

@@ -32,6 +32,8 @@ from rstar_jax.recipe import sections
 
 
 def get_config(variant: str = ""):
+  if variant not in ("", "smoke", "first_run"):
+    raise ValueError(f"toy.py: unknown variant {variant!r}; known: smoke, first_run")
   s = sections.section
   c = s(sections.RecipeConfig, seed=0, workdir="/tmp/rstar_toy",
         # XLA executables in <workdir>/compile_cache: later stages reuse the earlier ones'.
@@ -96,7 +98,7 @@ def get_config(variant: str = ""):
   c.eval = s(sections.EvalStage, after_sft=True, k=4,
              agent=dict(max_turns=6, max_response_tokens=256, temperature=1.0, top_p=1.0))
 
-  if variant in ("smoke", "first_run"):
+  if variant:   # smoke, and first_run on top of it
     # The smoke (and first_run's base), ~45 s: SFT teaches the tiny model the tool-call
     # format, so its RL rollouts make calls that the sandbox runs (tool error rate ~0.2-0.3,
     # against 1.0 when 48 response tokens cut every call off and 60 SFT steps on 75% no-tool
@@ -142,6 +144,4 @@ def get_config(variant: str = ""):
     c.rl.checkpoint_every = 10
     c.stage1.num_steps = 20
     c.eval.update(k=4, after_sft=True)
-  elif variant and variant != "smoke":
-    raise ValueError(f"toy.py: unknown variant {variant!r}; known: smoke, first_run")
   return c
